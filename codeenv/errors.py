@@ -1,0 +1,41 @@
+"""codeenv's own exceptions. User-code outcomes are never exceptions: they are `ExecResult.status`.
+
+Hierarchy::
+
+    CodeenvError                 base of everything codeenv raises
+    ├── InvalidRequest           the caller's request cannot be run as sent (HTTP 4xx)
+    │   └── LimitExceedsCap      a requested limit is above the server's configured cap
+    ├── ImageError               a sandbox image is missing, malformed or failed to build
+    ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
+    └── PoolClosed               the slot pool is not running (not started, or shutting down)
+"""
+
+
+class CodeenvError(Exception):
+    """Base class of every exception codeenv raises on purpose."""
+
+
+class InvalidRequest(CodeenvError, ValueError):
+    """The request cannot be run as sent; the message says what to fix."""
+
+
+class LimitExceedsCap(InvalidRequest):
+    """A requested limit is above what the server allows."""
+
+    def __init__(self, name: str, requested: float, cap: float) -> None:
+        self.name = name
+        self.requested = requested
+        self.cap = cap
+        super().__init__(f"{name}={requested:g} cannot exceed the configured limit of {cap:g}")
+
+
+class ImageError(CodeenvError):
+    """A sandbox image is missing, malformed, or could not be built."""
+
+
+class SandboxError(CodeenvError):
+    """nsjail, a cgroup or a zygote failed in a way that is codeenv's fault, not the program's."""
+
+
+class PoolClosed(CodeenvError):
+    """The slot pool is not accepting work."""

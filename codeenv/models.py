@@ -1,0 +1,108 @@
+"""The data codeenv takes and gives: requests, limits and structured results."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from codeenv.errors import LimitExceedsCap
+from codeenv.settings import LimitValues
+
+
+class Status(StrEnum):
+    """How a call ended. Only `internal_error` and `overloaded` are the service's doing."""
+
+    ok = "ok"
+    error = "error"
+    timeout = "timeout"
+    memory = "memory"
+    output_limit = "output_limit"
+    killed = "killed"
+    overloaded = "overloaded"
+    internal_error = "internal_error"
+    rejected = "rejected"
+
+
+class LimitName(StrEnum):
+    """Which limit fired."""
+
+    wall = "wall"
+    cpu = "cpu"
+    memory = "memory"
+    output = "output"
+    pids = "pids"
+    file_size = "file_size"
+
+
+class Limits(BaseModel):
+    """Per-call limits a request may ask for; each may only lower the server's cap."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    cpu_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    memory_mb: int | None = Field(None, gt=0)
+    output_bytes: int | None = Field(None, gt=0)
+    processes: int | None = Field(None, gt=0)
+    open_files: int | None = Field(None, ge=16)
+    file_size_mb: int | None = Field(None, gt=0)
+
+    def resolve(self, defaults: LimitValues, caps: LimitValues) -> LimitValues:
+        """Fill unset limits from `defaults`; raise LimitExceedsCap for any above `caps`."""
+        values = defaults.model_dump()
+        for name, requested in self.model_dump(exclude_none=True).items():
+            cap = getattr(caps, name)
+            if requested > cap:
+                raise LimitExceedsCap(f"limits.{name}", requested, cap)
+            values[name] = requested
+        if self.cpu_s is None:
+            # Unless asked otherwise, the CPU budget follows the wall budget.
+            values["cpu_s"] = min(values["wall_s"], caps.cpu_s)
+        return LimitValues(**values)
+
+
+class ExecRequest(BaseModel):
+    """One program to run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    stdin: str = ""
+    limits: Limits = Field(default_factory=Limits)
+    id: str | None = Field(None, max_length=128, description="the caller's call id")
+    profile: str | None = Field(
+        None, description="zygote profile to run in (default: the lightest that covers the imports)"
+    )
+
+
+class ErrorInfo(BaseModel):
+    """An uncaught exception, as the program itself reported it."""
+
+    type: str
+    message: str
+    line: int | None = None
+
+
+class ExecResult(BaseModel):
+    """The structured outcome of one call."""
+
+    id: str | None = None
+    status: Status
+    limit: LimitName | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    error: ErrorInfo | None = None
+    started: bool = False
+    queue_s: float = 0.0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    memory_peak_kb: int | None = None
+    worker: str = ""
+    profile: str | None = None
+    image: str | None = None
+    message: str | None = None

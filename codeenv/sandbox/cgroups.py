@@ -1,0 +1,302 @@
+"""One cgroup per jail, with memory and pids caps, on cgroup v1 or v2.
+
+The worker makes a subtree ``codeenv-<pid>`` below its own cgroup, and a group per jail under it.
+nsjail is started inside the jail's group, so the zygote and everything it forks are counted there.
+Reading these files from outside is how the worker learns, without trusting the jail, whether a
+call hit its memory cap (OOM-kill events), how much memory it used at peak, and whether any of its
+processes survived.
+
+Usage::
+
+    tree = CgroupTree.create()                  # v1 or v2, detected
+    group = tree.group("slot0-math")
+    group.set_memory_limit(1 << 30); group.set_pids_max(64)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Protocol
+
+from codeenv.errors import SandboxError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path("/sys/fs/cgroup")
+UNLIMITED = -1
+
+
+def _read_int(path: Path) -> int:
+    text = path.read_text().strip()
+    return UNLIMITED if text == "max" else int(text)
+
+
+def _read_keyed(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def _own_cgroup(controller: str) -> str:
+    """This process's cgroup path for `controller` ('' for the v2 unified hierarchy)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
+            return path
+        if controller and controller in controllers.split(","):
+            return path
+    raise SandboxError(f"this process is in no {controller or 'unified'} cgroup")
+
+
+class JailCgroup(Protocol):
+    """The cgroup of one jail."""
+
+    name: str
+
+    def attach_self(self) -> None: ...
+    def set_memory_limit(self, limit_bytes: int) -> None: ...
+    def set_pids_max(self, count: int) -> None: ...
+    def memory_usage(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def memory_peak(self) -> int | None: ...
+    def oom_kills(self) -> int: ...
+    def pids_current(self) -> int: ...
+    def pids_limit_hits(self) -> int: ...
+    def procs(self) -> list[int]: ...
+    def remove(self) -> None: ...
+
+
+def _kill_procs(group: JailCgroup, timeout_s: float = 5.0) -> bool:
+    """SIGKILL every process in `group` until none is left; False if some would not die."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = group.procs()
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+class V1Cgroup:
+    """A jail's group in the v1 ``memory`` and ``pids`` hierarchies."""
+
+    def __init__(self, name: str, memory: Path, pids: Path) -> None:
+        self.name = name
+        self.memory = memory
+        self.pids = pids
+        for d in (memory, pids):
+            d.mkdir(exist_ok=True)
+        self._memsw = (memory / "memory.memsw.limit_in_bytes").exists()
+
+    def attach_self(self) -> None:
+        # Runs in the child between fork and exec: plain writes only.
+        pid = str(os.getpid())
+        (self.memory / "cgroup.procs").write_text(pid)
+        (self.pids / "cgroup.procs").write_text(pid)
+
+    def set_memory_limit(self, limit_bytes: int) -> None:
+        files = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if self._memsw else [])
+        current = _read_int(self.memory / "memory.limit_in_bytes")
+        # memsw must stay >= the memory limit at every moment: raise memsw first, lower it last.
+        if limit_bytes > current:
+            files.reverse()
+        for f in files:
+            (self.memory / f).write_text(str(limit_bytes))
+
+    def set_pids_max(self, count: int) -> None:
+        (self.pids / "pids.max").write_text(str(count))
+
+    def memory_usage(self) -> int:
+        return _read_int(self.memory / "memory.usage_in_bytes")
+
+    def reset_peak(self) -> None:
+        (self.memory / "memory.max_usage_in_bytes").write_text("0")
+
+    def memory_peak(self) -> int | None:
+        return _read_int(self.memory / "memory.max_usage_in_bytes")
+
+    def oom_kills(self) -> int:
+        return _read_keyed(self.memory / "memory.oom_control").get("oom_kill", 0)
+
+    def pids_current(self) -> int:
+        return _read_int(self.pids / "pids.current")
+
+    def pids_limit_hits(self) -> int:
+        return _read_keyed(self.pids / "pids.events").get("max", 0)
+
+    def procs(self) -> list[int]:
+        pids = set()
+        for d in (self.memory, self.pids):
+            try:
+                pids.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+            except FileNotFoundError:
+                pass
+        return sorted(pids)
+
+    def remove(self) -> None:
+        _kill_procs(self)
+        for d in (self.memory, self.pids):
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("cannot remove cgroup %s: %s", d, exc)
+
+
+class V2Cgroup:
+    """A jail's group in the unified (v2) hierarchy."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name = name
+        self.path = path
+        path.mkdir(exist_ok=True)
+        self._peak_fd: int | None = None
+        try:
+            self._peak_fd = os.open(path / "memory.peak", os.O_RDWR)
+        except OSError:
+            self._peak_fd = None  # kernels before 6.12 cannot reset the peak: ru_maxrss is used
+
+    def attach_self(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def set_memory_limit(self, limit_bytes: int) -> None:
+        (self.path / "memory.max").write_text(str(limit_bytes))
+        try:
+            (self.path / "memory.swap.max").write_text("0")
+        except OSError:
+            pass
+
+    def set_pids_max(self, count: int) -> None:
+        (self.path / "pids.max").write_text(str(count))
+
+    def memory_usage(self) -> int:
+        return _read_int(self.path / "memory.current")
+
+    def reset_peak(self) -> None:
+        if self._peak_fd is not None:
+            try:
+                os.write(self._peak_fd, b"reset\n")
+            except OSError:
+                os.close(self._peak_fd)
+                self._peak_fd = None
+
+    def memory_peak(self) -> int | None:
+        if self._peak_fd is None:
+            return None
+        return int(os.pread(self._peak_fd, 64, 0).decode().strip())
+
+    def oom_kills(self) -> int:
+        return _read_keyed(self.path / "memory.events").get("oom_kill", 0)
+
+    def pids_current(self) -> int:
+        return _read_int(self.path / "pids.current")
+
+    def pids_limit_hits(self) -> int:
+        return _read_keyed(self.path / "pids.events").get("max", 0)
+
+    def procs(self) -> list[int]:
+        try:
+            return sorted(int(p) for p in (self.path / "cgroup.procs").read_text().split())
+        except FileNotFoundError:
+            return []
+
+    def remove(self) -> None:
+        try:
+            (self.path / "cgroup.kill").write_text("1")
+        except OSError:
+            pass
+        _kill_procs(self)
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+        try:
+            self.path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("cannot remove cgroup %s: %s", self.path, exc)
+
+
+class CgroupTree:
+    """The worker's own subtree of jail cgroups."""
+
+    def __init__(self, version: int, bases: dict[str, Path]) -> None:
+        self.version = version
+        self.bases = bases
+
+    @classmethod
+    def create(cls, root: Path | None = None, tag: str | None = None) -> CgroupTree:
+        root = root or DEFAULT_ROOT
+        tag = tag or f"codeenv-{os.getpid()}"
+        v1_memory, v1_pids = root / "memory", root / "pids"
+        if (v1_memory / "memory.limit_in_bytes").exists() and (v1_pids / "cgroup.procs").exists():
+            bases = {
+                "memory": v1_memory / _own_cgroup("memory").lstrip("/") / tag,
+                "pids": v1_pids / _own_cgroup("pids").lstrip("/") / tag,
+            }
+            version = 1
+        elif (root / "cgroup.controllers").exists():
+            parent = root / _own_cgroup("").lstrip("/")
+            missing = {"memory", "pids"} - set((parent / "cgroup.controllers").read_text().split())
+            if missing:
+                raise SandboxError(
+                    f"cgroup v2 at {parent} does not delegate the {', '.join(sorted(missing))} "
+                    "controller(s); run the worker where it owns a delegated cgroup subtree"
+                )
+            bases = {"unified": parent / tag}
+            version = 2
+        else:
+            raise SandboxError(
+                f"no usable cgroup hierarchy under {root}: need v1 memory+pids or v2 with both controllers"
+            )
+        try:
+            for base in bases.values():
+                base.mkdir(exist_ok=True)
+            if version == 2:
+                (bases["unified"] / "cgroup.subtree_control").write_text("+memory +pids")
+        except OSError as exc:
+            raise SandboxError(f"cannot create the jail cgroups under {list(bases.values())}: {exc}") from exc
+        cls._reap_stale(bases)
+        return cls(version, bases)
+
+    @staticmethod
+    def _reap_stale(bases: dict[str, Path]) -> None:
+        """Remove subtrees left by workers that died without cleaning up."""
+        for base in bases.values():
+            for sibling in base.parent.glob("codeenv-*"):
+                pid = sibling.name.removeprefix("codeenv-")
+                if sibling == base or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                    continue
+                for group in [g for g in sibling.iterdir() if g.is_dir()] + [sibling]:
+                    try:
+                        for p in (group / "cgroup.procs").read_text().split():
+                            os.kill(int(p), signal.SIGKILL)
+                        group.rmdir()
+                    except OSError:
+                        pass
+
+    def group(self, name: str) -> JailCgroup:
+        if self.version == 1:
+            return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name)
+        return V2Cgroup(name, self.bases["unified"] / name)
+
+    def remove(self) -> None:
+        for base in self.bases.values():
+            try:
+                base.rmdir()
+            except OSError:
+                pass

