@@ -278,7 +278,7 @@ class CgroupTree:
         """Remove subtrees left by workers that died without cleaning up."""
         for base in bases.values():
             for sibling in base.parent.glob("codeenv-*"):
-                pid = sibling.name.removeprefix("codeenv-")
+                pid = sibling.name.removeprefix("codeenv-").split("-")[0]
                 if sibling == base or not pid.isdigit() or Path(f"/proc/{pid}").exists():
                     continue
                 for group in [g for g in sibling.iterdir() if g.is_dir()] + [sibling]:

@@ -14,7 +14,9 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 #: How often idle zygotes are pinged; a silent one is replaced.
 SUPERVISE_EVERY_S = 5.0
+_pool_ids = itertools.count()
 #: Attempts for a call whose zygote died before it started (it is safe to run it elsewhere).
 MAX_DISPATCH = 3
 
@@ -73,6 +76,42 @@ class Slot:
         await zygote.start()
 
 
+class _SlotBroker:
+    """Hands free slots to waiting calls in FIFO order; a call may ask for one particular slot."""
+
+    def __init__(self) -> None:
+        self._free: list[Slot] = []
+        self._waiters: collections.deque[asyncio.Future[Slot]] = collections.deque()
+        self._pinned: dict[int, collections.deque[asyncio.Future[Slot]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    async def acquire(self, index: int | None = None) -> Slot:
+        for slot in self._free:
+            if index is None or slot.index == index:
+                self._free.remove(slot)
+                return slot
+        fut: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        queue = self._waiters if index is None else self._pinned.setdefault(index, collections.deque())
+        queue.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())  # handed a slot just as we were cancelled: pass it on
+            raise
+
+    def release(self, slot: Slot) -> None:
+        for queue in (self._pinned.get(slot.index), self._waiters):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(slot)
+                    return
+        self._free.append(slot)
+
+
 class SlotPool:
     """A pool of warm, jailed zygotes that runs calls with hard limits and structured results."""
 
@@ -82,7 +121,7 @@ class SlotPool:
         self.image: Image | None = None
         self.slots: list[Slot] = []
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self._free: asyncio.Queue[Slot] = asyncio.Queue()
+        self._free = _SlotBroker()
         self._tree: CgroupTree | None = None
         self._runtime: Path | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -103,8 +142,9 @@ class SlotPool:
         settings = self.settings
         self.image = await asyncio.to_thread(ensure_image, settings, self.progress)
         nsjail = nsjail_binary(settings)
-        self._tree = CgroupTree.create(settings.cgroup_root)
-        self._runtime = settings.runtime_dir / f"worker-{os.getpid()}"
+        tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
+        self._tree = CgroupTree.create(settings.cgroup_root, tag)
+        self._runtime = settings.runtime_dir / tag
         zygote_dir = self._runtime / "zygote"
         zygote_dir.mkdir(parents=True, exist_ok=True)
         for d in (settings.state_dir, settings.runtime_dir, self._runtime, zygote_dir):
@@ -128,7 +168,7 @@ class SlotPool:
             await self.close()
             raise
         for slot in self.slots:
-            self._free.put_nowait(slot)
+            self._free.release(slot)
         self._open = True
         self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
         logger.info("slot pool ready: %d slots x %d profiles, image %s (%s)", len(self.slots),
@@ -161,7 +201,7 @@ class SlotPool:
 
     @property
     def free_slots(self) -> int:
-        return self._free.qsize()
+        return len(self._free)
 
     # --- calls ----------------------------------------------------------------------------------
 
@@ -190,14 +230,17 @@ class SlotPool:
             profile = choose_profile(code, self.image.spec.profiles)
         return code, stdin, limits, profile
 
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one program. Bad requests raise InvalidRequest; everything else is a result."""
+    async def run(self, request: ExecRequest, *, slot_index: int | None = None) -> ExecResult:
+        """Run one program. Bad requests raise InvalidRequest; everything else is a result.
+
+        `slot_index` pins the call to one slot (for tests and diagnostics).
+        """
         if not self._open:
             raise PoolClosed("the slot pool is not running")
         code, stdin, limits, profile = self.resolve(request)
         queued = time.monotonic()
         for attempt in range(1, MAX_DISPATCH + 1):
-            slot = await self._free.get()
+            slot = await self._free.acquire(slot_index)
             queue_s = time.monotonic() - queued
             zygote = slot.zygotes[profile.name]
             try:
@@ -252,7 +295,7 @@ class SlotPool:
             await asyncio.sleep(1)
         finally:
             if self._open:
-                self._free.put_nowait(slot)
+                self._free.release(slot)
 
     async def _supervise(self) -> None:
         """Ping idle zygotes; replace the silent or dead ones."""

@@ -252,7 +252,13 @@ def _child(fds, limits):
             pass
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
         try:
-            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+            if sys.excepthook is sys.__excepthook__:
+                # 3.12's built-in hook reads source lines from disk, not from linecache.
+                import traceback
+
+                traceback.print_exception(type(exc), exc.with_traceback(tb), tb, file=sys.stderr)
+            else:
+                sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         except BaseException:
             pass
     os._exit(_finalize(status))

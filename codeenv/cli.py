@@ -1,0 +1,95 @@
+"""The ``codeenv`` command line.
+
+Usage::
+
+    codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
+    codeenv image build [NAME]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from codeenv.errors import CodeenvError
+from codeenv.models import ExecRequest, Limits
+from codeenv.settings import SandboxSettings
+
+app = typer.Typer(help="codeenv: fast, jailed Python execution for agentic RL.", no_args_is_help=True)
+image_app = typer.Typer(help="Build and inspect sandbox images.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+err = Console(stderr=True)
+
+
+def _progress(message: str) -> None:
+    err.print(f"[bold cyan]image[/] {message}")
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(2)
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="Python file to run ('-' reads standard input)")],
+    stdin: Annotated[str, typer.Option(help="text fed to the program's standard input")] = "",
+    timeout: Annotated[float | None, typer.Option(help="wall-clock limit in seconds")] = None,
+    memory: Annotated[int | None, typer.Option(help="memory limit in MB")] = None,
+    profile: Annotated[str | None, typer.Option(help="zygote profile (default: chosen from imports)")] = None,
+    image: Annotated[str | None, typer.Option(help="sandbox image name")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one program in a jail and print its result as JSON."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(f"cannot read {file}: {exc}") from exc
+    try:
+        settings = SandboxSettings(slots=1, **({"image": image} if image else {}))
+        request = ExecRequest(code=code, stdin=stdin, profile=profile,
+                              limits=Limits(wall_s=timeout, memory_mb=memory))
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+
+    async def go() -> str:
+        from codeenv.sandbox.pool import SlotPool
+
+        async with SlotPool(settings, progress=_progress) as pool:
+            result = await pool.run(request)
+        return result.model_dump_json(indent=2)
+
+    try:
+        print(asyncio.run(go()))
+    except CodeenvError as exc:
+        raise _fail(str(exc)) from exc
+
+
+@image_app.command("build")
+def image_build(
+    name: Annotated[str, typer.Argument(help="image name or path to an image.toml")] = "python-math",
+) -> None:
+    """Build a sandbox image (if its declaration changed since the last build)."""
+    from codeenv.sandbox.image import ensure_image
+
+    try:
+        built = ensure_image(SandboxSettings(image=name, slots=1), progress=_progress)
+    except CodeenvError as exc:
+        raise _fail(str(exc)) from exc
+    print(f"{built.name} {built.content_hash} {built.root}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
