@@ -64,6 +64,7 @@ class Profile(BaseModel):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
     preload: list[str] = Field(default_factory=list)
     covers: list[str] = Field(default_factory=lambda: ["*"])
+    warmup: str = Field("", description="code the zygote runs once after preloading (fills lazy caches)")
 
 
 class ImageSpec(BaseModel):

@@ -245,6 +245,7 @@ class SlotPool:
             slot = await self._free.acquire(slot_index)
             queue_s = time.monotonic() - queued
             zygote = slot.zygotes[profile.name]
+            zygote.busy = True
             try:
                 async with zygote.lock:
                     if zygote.dead:
@@ -296,12 +297,13 @@ class SlotPool:
             logger.error("%s could not be restarted: %s", slot.worker, exc)
             await asyncio.sleep(1)
         finally:
+            zygote.busy = False
             if self._open:
                 self._free.release(slot)
 
     def _zygote_died(self, zygote: ZygoteProcess) -> None:
         """A zygote's control socket closed: replace it at once unless a call is handling that."""
-        if not self._open or zygote.lock.locked():
+        if not self._open or zygote.busy or zygote.lock.locked():
             return  # the call in progress sees the death and recycles the slot itself
         slot = next(s for s in self.slots if zygote in s.zygotes.values())
         task = asyncio.create_task(self._replace(slot, zygote), name=f"{slot.worker}-replace")
@@ -323,7 +325,7 @@ class SlotPool:
             await asyncio.sleep(SUPERVISE_EVERY_S)
             for slot in self.slots:
                 for zygote in slot.zygotes.values():
-                    if zygote.lock.locked():
+                    if zygote.busy or zygote.lock.locked():
                         continue
                     async with zygote.lock:
                         if zygote.dead or not await zygote.ping():

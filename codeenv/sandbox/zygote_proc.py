@@ -151,6 +151,8 @@ class ZygoteProcess:
         self._pids_max = -1
         self._seq = 0
         self.lock = asyncio.Lock()
+        #: From taking a call until its traces are verified gone; nobody else may talk to it then.
+        self.busy = False
         #: Called when the zygote's control socket closes unexpectedly (it died or was killed).
         self.on_death: Callable[[ZygoteProcess], None] | None = None
         self._stopping = False

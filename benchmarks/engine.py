@@ -1,0 +1,160 @@
+"""The slot pool against the two designs it replaces, measured in one run on this machine.
+
+    (a) naive:        a fresh `python3 -c CODE` per call, no jail (the rStar2-Agent paper's service)
+    (b) naive-jail:   a fresh nsjail + `python3 -c CODE` per call (the naive secure design)
+    (c) codeenv:      the slot pool (warm zygotes in reused jails, a fork per call)
+
+For each: throughput with every slot busy, for `print(1)` and for a sympy factorisation; single-call
+p50 latency; and the time from dispatch to the first line of user code. All three use the same
+interpreter and the same packages (the built image's), and the baselines run as many calls at once
+as the pool has slots.
+
+    python benchmarks/engine.py [--slots N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from codeenv import ExecRequest, SandboxSettings, SlotPool
+from codeenv.sandbox.image import ensure_image
+from codeenv.sandbox.jail import config_text, jail_config
+from codeenv.sandbox.pool import nsjail_binary
+
+PRINT = "print(1)"
+SYMPY = "import sympy\nprint(sympy.factorint(2**64 - 1))"
+FIRST_LINE = "import time\nprint(repr(time.time()))"
+
+Runner = Callable[[str], Awaitable[str]]
+
+
+async def subprocess_runner(argv_prefix: list[str], env: dict[str, str]) -> Runner:
+    async def run(code: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            *argv_prefix, code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+        out, _ = await proc.communicate()
+        return out.decode()
+    return run
+
+
+async def throughput(run: Runner, code: str, calls: int, concurrency: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            await run(code)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(calls)))
+    return calls / (time.perf_counter() - t0)
+
+
+async def latency_p50(run: Runner, code: str, calls: int) -> float:
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await run(code)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+async def first_line_p50(run: Runner, calls: int) -> float:
+    samples = []
+    for _ in range(calls):
+        t0 = time.time()
+        out = await run(FIRST_LINE)
+        samples.append(float(out.strip()) - t0)
+    return statistics.median(samples)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slots", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply call counts")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    console = Console()
+    settings = SandboxSettings(slots=args.slots)
+    image = ensure_image(settings, progress=lambda m: console.print(f"image: {m}"))
+    n = lambda k: max(4, int(k * args.scale))  # noqa: E731
+
+    # (a) the same interpreter and packages, no jail.
+    host_python = sys._base_executable  # type: ignore[attr-defined]
+    site = image.root / "usr/local/lib" / f"python{image.spec.python}" / "site-packages"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "OPENBLAS_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+    naive = await subprocess_runner([host_python, "-c"], env)
+
+    # (b) a fresh nsjail (same jail config as a slot, minus the zygote) + python3 per call.
+    cfg = jail_config(settings, image, image.spec.profiles[0], Path("/nonexistent"), settings.uid_base + 900)
+    cfg.mount = [m for m in cfg.mount if m.dst != "/usr/lib/codeenv"]
+    cfg.pass_fd = []
+    cfg.exec_bin = None
+    cfg_file = Path(tempfile.mkstemp(suffix=".cfg")[1])
+    cfg_file.write_text(config_text(cfg))
+    naive_jail = await subprocess_runner(
+        [str(nsjail_binary(settings)), "--config", str(cfg_file), "--",
+         f"/usr/local/bin/python{image.spec.python}", "-c"], {})
+
+    bare = await subprocess_runner([host_python, "-c"], env)
+    figures: dict[str, dict[str, float]] = {}
+    console.print(f"measuring on {os.cpu_count()} cores, {args.slots} slots ...")
+    figures["bare python3 -c pass"] = {"p50_ms": 1000 * await latency_p50(bare, "pass", n(30))}
+    for name, run in (("naive", naive), ("naive-jail", naive_jail)):
+        figures[name] = {
+            "print_per_s": await throughput(run, PRINT, n(100), args.slots),
+            "sympy_per_s": await throughput(run, SYMPY, n(16), args.slots),
+            "p50_ms": 1000 * await latency_p50(run, PRINT, n(30)),
+            "first_line_ms": 1000 * await first_line_p50(run, n(30)),
+        }
+        console.print(f"  {name}: {figures[name]}")
+
+    async with SlotPool(settings) as pool:
+        async def pooled(code: str) -> str:
+            return (await pool.run(ExecRequest(code=code))).stdout
+
+        await throughput(pooled, SYMPY, 20, args.slots)  # warm-up
+        figures["codeenv"] = {
+            "print_per_s": await throughput(pooled, PRINT, n(2000), 10_000),
+            "sympy_per_s": await throughput(pooled, SYMPY, n(600), 10_000),
+            "p50_ms": 1000 * await latency_p50(pooled, PRINT, n(200)),
+            "first_line_ms": 1000 * await first_line_p50(pooled, n(200)),
+        }
+        console.print(f"  codeenv: {figures['codeenv']}")
+    cfg_file.unlink()
+
+    c, a, b = figures["codeenv"], figures["naive"], figures["naive-jail"]
+    table = Table(title=f"slot pool vs. per-call interpreters ({args.slots} slots, {os.cpu_count()} cores)")
+    for col in ("", "print(1)/s", "sympy/s", "p50 ms", "dispatch→first line ms"):
+        table.add_column(col, justify="right")
+    for name in ("naive", "naive-jail", "codeenv"):
+        f = figures[name]
+        table.add_row(name, f"{f['print_per_s']:.0f}", f"{f['sympy_per_s']:.1f}", f"{f['p50_ms']:.2f}",
+                      f"{f['first_line_ms']:.2f}")
+    console.print(table)
+    ratios = {
+        "print vs naive": c["print_per_s"] / a["print_per_s"],
+        "print vs naive-jail": c["print_per_s"] / b["print_per_s"],
+        "sympy vs naive": c["sympy_per_s"] / a["sympy_per_s"],
+        "p50 vs bare python3 -c pass": c["p50_ms"] / figures["bare python3 -c pass"]["p50_ms"],
+    }
+    for k, v in ratios.items():
+        console.print(f"{k}: [bold]{v:.2f}x[/]")
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
