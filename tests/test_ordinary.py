@@ -104,7 +104,7 @@ async def test_numpy_and_scipy_run_under_the_defaults(run: Runner) -> None:
     assert r.status == "ok", r
     assert r.stdout == "(2000, 2000) [3.0, -1.0]\n"
     assert r.memory_peak_kb is not None and r.memory_peak_kb > 60_000  # three 32 MB matrices
-    assert r.profile == "math"
+    assert r.profile == "scientific"
 
 
 async def test_sympy_factor(run: Runner) -> None:

@@ -98,7 +98,7 @@ def test_image_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="not a valid image declaration"):
         find_spec(str(bad))
     spec, _ = find_spec("python-math")
-    assert [p.name for p in spec.profiles] == ["light", "math"]
+    assert [p.name for p in spec.profiles] == ["light", "math", "scientific"]
 
 
 def test_content_hash_sees_content_modes_and_links(tmp_path: Path) -> None:
