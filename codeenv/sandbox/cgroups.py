@@ -30,18 +30,46 @@ DEFAULT_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = -1
 
 
-def _read_int(path: Path) -> int:
-    text = path.read_text().strip()
+def _parse_int(text: str) -> int:
+    text = text.strip()
     return UNLIMITED if text == "max" else int(text)
 
 
-def _read_keyed(path: Path) -> dict[str, int]:
+def _parse_keyed(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition(" ")
         if value.strip().lstrip("-").isdigit():
             out[key] = int(value)
     return out
+
+
+def _read_int(path: Path) -> int:
+    return _parse_int(path.read_text())
+
+
+class _ControlFiles:
+    """Cgroup control files kept open: a call reads several of them, and open() is the slow part."""
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[Path, int], int] = {}
+
+    def _fd(self, path: Path, flags: int) -> int:
+        fd = self._fds.get((path, flags))
+        if fd is None:
+            fd = self._fds[path, flags] = os.open(path, flags | os.O_CLOEXEC)
+        return fd
+
+    def read(self, path: Path) -> str:
+        return os.pread(self._fd(path, os.O_RDONLY), 4096, 0).decode()
+
+    def write(self, path: Path, value: str) -> None:
+        os.write(self._fd(path, os.O_WRONLY), value.encode())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _own_cgroup(controller: str) -> str:
@@ -100,6 +128,7 @@ class V1Cgroup:
         for d in (memory, pids):
             d.mkdir(exist_ok=True)
         self._memsw = (memory / "memory.memsw.limit_in_bytes").exists()
+        self._files = _ControlFiles()
 
     def attach_self(self) -> None:
         # Runs in the child between fork and exec: plain writes only.
@@ -109,33 +138,33 @@ class V1Cgroup:
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         files = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if self._memsw else [])
-        current = _read_int(self.memory / "memory.limit_in_bytes")
+        current = _parse_int(self._files.read(self.memory / "memory.limit_in_bytes"))
         # memsw must stay >= the memory limit at every moment: raise memsw first, lower it last.
         if limit_bytes > current:
             files.reverse()
         for f in files:
-            (self.memory / f).write_text(str(limit_bytes))
+            self._files.write(self.memory / f, str(limit_bytes))
 
     def set_pids_max(self, count: int) -> None:
-        (self.pids / "pids.max").write_text(str(count))
+        self._files.write(self.pids / "pids.max", str(count))
 
     def memory_usage(self) -> int:
-        return _read_int(self.memory / "memory.usage_in_bytes")
+        return _parse_int(self._files.read(self.memory / "memory.usage_in_bytes"))
 
     def reset_peak(self) -> None:
-        (self.memory / "memory.max_usage_in_bytes").write_text("0")
+        self._files.write(self.memory / "memory.max_usage_in_bytes", "0")
 
     def memory_peak(self) -> int | None:
-        return _read_int(self.memory / "memory.max_usage_in_bytes")
+        return _parse_int(self._files.read(self.memory / "memory.max_usage_in_bytes"))
 
     def oom_kills(self) -> int:
-        return _read_keyed(self.memory / "memory.oom_control").get("oom_kill", 0)
+        return _parse_keyed(self._files.read(self.memory / "memory.oom_control")).get("oom_kill", 0)
 
     def pids_current(self) -> int:
-        return _read_int(self.pids / "pids.current")
+        return _parse_int(self._files.read(self.pids / "pids.current"))
 
     def pids_limit_hits(self) -> int:
-        return _read_keyed(self.pids / "pids.events").get("max", 0)
+        return _parse_keyed(self._files.read(self.pids / "pids.events")).get("max", 0)
 
     def procs(self) -> list[int]:
         pids = set()
@@ -148,6 +177,7 @@ class V1Cgroup:
 
     def remove(self) -> None:
         _kill_procs(self)
+        self._files.close()
         for d in (self.memory, self.pids):
             try:
                 d.rmdir()
@@ -164,6 +194,7 @@ class V2Cgroup:
         self.name = name
         self.path = path
         path.mkdir(exist_ok=True)
+        self._files = _ControlFiles()
         self._peak_fd: int | None = None
         try:
             self._peak_fd = os.open(path / "memory.peak", os.O_RDWR)
@@ -174,17 +205,17 @@ class V2Cgroup:
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
     def set_memory_limit(self, limit_bytes: int) -> None:
-        (self.path / "memory.max").write_text(str(limit_bytes))
+        self._files.write(self.path / "memory.max", str(limit_bytes))
         try:
-            (self.path / "memory.swap.max").write_text("0")
+            self._files.write(self.path / "memory.swap.max", "0")
         except OSError:
             pass
 
     def set_pids_max(self, count: int) -> None:
-        (self.path / "pids.max").write_text(str(count))
+        self._files.write(self.path / "pids.max", str(count))
 
     def memory_usage(self) -> int:
-        return _read_int(self.path / "memory.current")
+        return _parse_int(self._files.read(self.path / "memory.current"))
 
     def reset_peak(self) -> None:
         if self._peak_fd is not None:
@@ -200,13 +231,13 @@ class V2Cgroup:
         return int(os.pread(self._peak_fd, 64, 0).decode().strip())
 
     def oom_kills(self) -> int:
-        return _read_keyed(self.path / "memory.events").get("oom_kill", 0)
+        return _parse_keyed(self._files.read(self.path / "memory.events")).get("oom_kill", 0)
 
     def pids_current(self) -> int:
-        return _read_int(self.path / "pids.current")
+        return _parse_int(self._files.read(self.path / "pids.current"))
 
     def pids_limit_hits(self) -> int:
-        return _read_keyed(self.path / "pids.events").get("max", 0)
+        return _parse_keyed(self._files.read(self.path / "pids.events")).get("max", 0)
 
     def procs(self) -> list[int]:
         try:
@@ -220,6 +251,7 @@ class V2Cgroup:
         except OSError:
             pass
         _kill_procs(self)
+        self._files.close()
         if self._peak_fd is not None:
             os.close(self._peak_fd)
             self._peak_fd = None

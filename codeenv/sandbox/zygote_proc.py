@@ -150,6 +150,7 @@ class ZygoteProcess:
         self._memory_limit = -1
         self._pids_max = -1
         self._seq = 0
+        self._events: tuple[int, int] | None = None
         self.lock = asyncio.Lock()
         #: From taking a call until its traces are verified gone; nobody else may talk to it then.
         self.busy = False
@@ -180,6 +181,7 @@ class ZygoteProcess:
 
         self.inbox = asyncio.Queue()
         self._stopping = False
+        self._events = None
         self._memory_limit = self._pids_max = -1
         # Headroom for start-up (imports); the per-call limit is set before each call.
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
@@ -349,7 +351,10 @@ class ZygoteProcess:
         self._seq += 1
         seq = self._seq
         usage0 = self._apply_limits(limits)
-        oom0, pids0 = self.cgroup.oom_kills(), self.cgroup.pids_limit_hits()
+        if self._events is None:
+            self._events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
+        oom0, pids0 = self._events
+        self._events = None
 
         fds: list[int] = []
         ours: list[int] = []
@@ -424,8 +429,11 @@ class ZygoteProcess:
             out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
             out.report = self._read_report(report_keep)
             with contextlib.suppress(OSError, ValueError):
-                out.oom_killed = self.cgroup.oom_kills() > oom0
-                out.pids_limit_hit = self.cgroup.pids_limit_hits() > pids0
+                # Counters only move while a call runs: these are the next call's baseline too.
+                events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
+                out.oom_killed = events[0] > oom0
+                out.pids_limit_hit = events[1] > pids0
+                self._events = events
                 peak = self.cgroup.memory_peak()
                 if peak is not None:
                     out.memory_peak_kb = max(0, peak - usage0) >> 10
