@@ -103,12 +103,19 @@ def _compact_heap():
     return collapsed
 
 
-def _ignore_signals():
+def _deaf_to_signals():
+    """Make PID 1 deaf to its children's signals.
+
+    The kernel drops every signal sent to a pid namespace's init from inside the namespace unless
+    init has installed a handler for it (even SIGKILL and SIGSTOP). So the zygote keeps no handler
+    at all: Python's SIGINT handler goes (a Python PID 1 gets KeyboardInterrupt from a child's
+    SIGINT otherwise), and every other disposition stays the default or ignored. Children then
+    inherit the dispositions of a fresh interpreter, less SIGINT's handler, which they put back.
+    """
     for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
-            continue
         try:
-            signal.signal(sig, signal.SIG_IGN)
+            if signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+                signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass
 
@@ -231,7 +238,12 @@ def _finalize(code):
     return code
 
 
-def _fresh_stdio():
+def _unused_stdio():
+    """Std streams on fds 0-2 as a fresh interpreter makes them, built once and never used here.
+
+    Each child gets its own copy with the fork and points fds 0-2 at its call's files: fresh
+    streams without paying for three wrappers per call.
+    """
     import io
 
     def text(fd, mode, old):
@@ -242,9 +254,10 @@ def _fresh_stdio():
             line_buffering=old.line_buffering, write_through=old.write_through,
         )
 
-    sys.stdin = sys.__stdin__ = text(0, "r", sys.__stdin__)
-    sys.stdout = sys.__stdout__ = text(1, "w", sys.__stdout__)
-    sys.stderr = sys.__stderr__ = text(2, "w", sys.__stderr__)
+    return text(0, "r", sys.__stdin__), text(1, "w", sys.__stdout__), text(2, "w", sys.__stderr__)
+
+
+_stdio = None
 
 
 def _child(fds, limits):
@@ -255,16 +268,8 @@ def _child(fds, limits):
     report = None
     try:
         os.setsid()
-        for sig in signal.valid_signals():
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                try:
-                    signal.signal(sig, signal.SIG_DFL)
-                except (OSError, ValueError):
-                    pass
-        # What a fresh CPython installs at start-up.
+        # SIGPIPE and SIGXFSZ are already ignored, as CPython does at start-up; see _deaf_to_signals.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         report = mmap.mmap(report_fd, limits["report_bytes"])
         size = os.fstat(code_fd).st_size
@@ -282,7 +287,9 @@ def _child(fds, limits):
         os.chdir(_config["workdir"])
         for name in ZYGOTE_ONLY_ENV:
             os.environ.pop(name, None)
-        _fresh_stdio()
+        sys.stdin = sys.__stdin__ = _stdio[0]
+        sys.stdout = sys.__stdout__ = _stdio[1]
+        sys.stderr = sys.__stderr__ = _stdio[2]
         for rng in _random_instances:
             rng.seed()
         if _numpy_states:
@@ -468,16 +475,17 @@ def _run(ctl, msg, fds, baseline):
 
 
 def main():
-    global _config
+    global _config, _stdio
     _config = json.loads(sys.argv[1])
     _set_dumpable(0)
-    _ignore_signals()
+    _deaf_to_signals()
     ctl = socket.socket(fileno=CTL_FD)
     t0 = time.monotonic()
     errors = _preload(["mmap", "io", "types", "builtins", "linecache", "traceback", "atexit",
                        *_config["preload"]])
     _warm_up(_config.get("warmup"))
     _collect_generators()
+    _stdio = _unused_stdio()
     gc.collect()
     huge = _compact_heap()
     gc.freeze()
