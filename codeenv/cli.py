@@ -54,7 +54,9 @@ def run(
     except (OSError, UnicodeDecodeError) as exc:
         raise _fail(f"cannot read {file}: {exc}") from exc
     try:
-        settings = SandboxSettings(slots=1, **({"image": image} if image else {}))
+        settings = SandboxSettings(slots=1)
+        if image:
+            settings = settings.model_copy(update={"image": image})
         request = ExecRequest(code=code, stdin=stdin, profile=profile,
                               limits=Limits(wall_s=timeout, memory_mb=memory))
     except ValueError as exc:

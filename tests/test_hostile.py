@@ -11,7 +11,7 @@ from tests.conftest import Runner
 
 
 @pytest.fixture
-def restarts(pool: SlotPool) -> "RestartCounter":
+def restarts(pool: SlotPool) -> RestartCounter:
     return RestartCounter(pool)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -29,7 +30,8 @@ async def test_output_is_byte_for_byte_what_cpython_prints(run: Runner) -> None:
         "print('to stderr', file=sys.stderr)\n"
     )
     r = await run(code)
-    host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    host = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout == host.stdout
     assert r.stderr == host.stderr
 

@@ -167,7 +167,7 @@ class V1Cgroup:
         return _parse_keyed(self._files.read(self.pids / "pids.events")).get("max", 0)
 
     def procs(self) -> list[int]:
-        pids = set()
+        pids: set[int] = set()
         for d in (self.memory, self.pids):
             try:
                 pids.update(int(p) for p in (d / "cgroup.procs").read_text().split())

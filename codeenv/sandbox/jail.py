@@ -142,4 +142,5 @@ def jail_config(
 
 
 def config_text(config: NsJailConfig) -> str:
-    return to_textproto(config) + "\n"
+    text: str = to_textproto(config)
+    return text + "\n"
