@@ -1,0 +1,95 @@
+"""The pool as a library: many callers, bad requests, cancellation, images of one's own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, SandboxSettings, SlotPool
+from codeenv.errors import ImageError, PoolClosed
+from tests.conftest import Runner
+
+
+async def test_many_concurrent_callers_each_get_their_own_result(pool: SlotPool) -> None:
+    codes = [f"import sys\nprint({i} * {i}, sys.stdin.read())" for i in range(300)]
+    results = await asyncio.gather(*(pool.run(ExecRequest(code=c, stdin=str(i), id=f"call-{i}"))
+                                     for i, c in enumerate(codes)))
+    for i, r in enumerate(results):
+        assert r.status == "ok" and r.stdout == f"{i * i} {i}\n" and r.id == f"call-{i}"
+    assert {r.worker for r in results} == {s.worker for s in pool.slots}
+
+
+async def test_bad_requests_raise_invalid_request(pool: SlotPool) -> None:
+    with pytest.raises(LimitExceedsCap, match="cannot exceed the configured limit"):
+        await pool.run(ExecRequest(code="1", limits={"memory_mb": 10**6}))
+    with pytest.raises(InvalidRequest, match="lone surrogates"):
+        await pool.run(ExecRequest(code="print('\ud800')"))
+    with pytest.raises(InvalidRequest, match="code is .* bytes"):
+        await pool.run(ExecRequest(code="#" * (pool.settings.max_code_bytes + 1)))
+    with pytest.raises(InvalidRequest, match="unknown profile 'gpu'"):
+        await pool.run(ExecRequest(code="1", profile="gpu"))
+
+
+async def test_cancelled_call_frees_its_slot(run: Runner, pool: SlotPool) -> None:
+    task = asyncio.create_task(run("import time\ntime.sleep(30)", slot=0, wall_s=60))
+    zygote = pool.slots[0].zygotes["light"]
+    for _ in range(2000):
+        if zygote.cgroup.pids_current() > zygote.baseline_pids:
+            break
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    r = await asyncio.wait_for(run("print('next')", slot=0), 30)
+    assert r.status == "ok" and r.stdout == "next\n"
+
+
+async def test_closed_pool_refuses_calls() -> None:
+    pool = SlotPool(SandboxSettings(slots=1))
+    with pytest.raises(PoolClosed):
+        await pool.run(ExecRequest(code="1"))
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Jails read images through a user namespace, so the directory must be world-traversable.
+    path = Path(tempfile.mkdtemp(prefix="codeenv-test-", dir="/var/tmp"))
+    os.chmod(path, 0o755)
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "image.toml"
+    spec.write_text(
+        'name = "tiny"\npython = "3.12"\nhash_seed = 7\nenv = { TINY = "yes" }\n'
+        '[[profiles]]\nname = "only"\ncovers = ["*"]\npreload = ["fractions"]\n'
+    )
+    messages: list[str] = []
+    settings = SandboxSettings(slots=1, image=str(spec), state_dir=state_dir,
+                               uid_base=SandboxSettings().uid_base + 200)
+    async with SlotPool(settings, progress=messages.append) as tiny:
+        r = await tiny.run(ExecRequest(code="import os, fractions, sys\n"
+                                       "print(os.environ['TINY'], os.environ['PYTHONHASHSEED'], sys.version_info[:2])"))
+        assert r.status == "ok" and r.stdout == "yes 7 (3, 12)\n"
+        assert r.profile == "only" and tiny.image is not None and r.image == tiny.image.short_hash
+        r = await tiny.run(ExecRequest(code="import sympy"))
+        assert r.status == "error" and r.error is not None and r.error.type == "ModuleNotFoundError"
+    assert any("byte-compiling" in m for m in messages) and any(m.startswith("built") for m in messages)
+    link = state_dir / "images" / "tiny"
+    assert link.is_symlink() and (link / "root" / "usr/local/bin/python3.12").exists()
+    assert not [p for p in (state_dir / "images").iterdir() if p.name.startswith(".build")]
+
+
+def test_unknown_image_is_a_clear_error(state_dir: Path) -> None:
+    from codeenv.sandbox.image import ensure_image
+
+    with pytest.raises(ImageError, match="no image declaration named 'nope'"):
+        ensure_image(SandboxSettings(image="nope", state_dir=state_dir))
