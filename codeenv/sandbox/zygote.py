@@ -22,6 +22,8 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
     worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
     zygote -> worker  {"op": "exited", "seq", status...}        every process of the call is gone
     zygote -> worker  {"op": "ready", "seq", "clean"}           traces wiped; ready for the next call
+                                                                (folded into "exited" when the call
+                                                                left nothing to wipe)
     worker -> zygote  {"op": "ping"}  ->  {"op": "pong"}        liveness
 """
 
@@ -167,7 +169,8 @@ def _collect_generators():
         np_random_state = sys.modules["numpy.random"].RandomState
     for obj in gc.get_objects():
         if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
-            _random_instances.append(obj)
+            if obj is not random._inst:  # random reseeds its own instance after every fork
+                _random_instances.append(obj)
         elif np_random_state is not None and isinstance(obj, np_random_state):
             _numpy_states.append(obj)
 
@@ -391,9 +394,13 @@ def _wipe(top):
         cur = parent
 
 
+def _untouched(baseline):
+    return _workdir_usage() == baseline and stat.S_IMODE(os.stat(_config["workdir"]).st_mode) == 0o700
+
+
 def _clean(baseline, timeout_s):
     """Make the work dir as it was at start; True if it is."""
-    if _workdir_usage() == baseline and stat.S_IMODE(os.stat(_config["workdir"]).st_mode) == 0o700:
+    if _untouched(baseline):
         return True
     pid = os.fork()
     if pid == 0:
@@ -466,10 +473,15 @@ def _run(ctl, msg, fds, baseline):
     _kill_everything()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    _send(ctl, {
+    exited = {
         "op": "exited", "seq": seq, "wait_status": status, "wall_s": wall, "cpu_s": cpu,
         "maxrss_kb": usage.ru_maxrss, "timed_out": timed_out, "killed": killed,
-    })
+    }
+    if _untouched(baseline):  # the common case: one message says both "exited" and "ready"
+        exited["ready"] = exited["clean"] = True
+        _send(ctl, exited)
+        return
+    _send(ctl, exited)
     clean = _clean(baseline, _config["cleanup_timeout_s"])
     _send(ctl, {"op": "ready", "seq": seq, "clean": clean})
 

@@ -151,6 +151,7 @@ class ZygoteProcess:
         self._pids_max = -1
         self._seq = 0
         self._events: tuple[int, int] | None = None
+        self._ready: dict[str, Any] | None = None
         self.lock = asyncio.Lock()
         #: From taking a call until its traces are verified gone; nobody else may talk to it then.
         self.busy = False
@@ -182,6 +183,7 @@ class ZygoteProcess:
         self.inbox = asyncio.Queue()
         self._stopping = False
         self._events = None
+        self._ready = None
         self._memory_limit = self._pids_max = -1
         # Headroom for start-up (imports); the per-call limit is set before each call.
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
@@ -410,6 +412,7 @@ class ZygoteProcess:
             budget = limits.wall_s + self.settings.kill_grace_s
             try:
                 out.exited = await self._expect("exited", budget, seq)
+                self._ready = out.exited if out.exited.get("ready") else None
             except TimeoutError:
                 out.watchdog_fired = True
                 out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
@@ -463,10 +466,12 @@ class ZygoteProcess:
         """
         if self.dead:
             return "the zygote is gone"
-        try:
-            ready = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
-        except (ZygoteDied, TimeoutError) as exc:
-            return f"no ready signal after the call: {exc!r}"
+        ready, self._ready = self._ready, None
+        if ready is None:
+            try:
+                ready = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
+            except (ZygoteDied, TimeoutError) as exc:
+                return f"no ready signal after the call: {exc!r}"
         if not ready.get("clean"):
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()
