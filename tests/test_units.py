@@ -131,8 +131,11 @@ def test_verdicts() -> None:
     assert classify(_outcome(24), lim).limit == "cpu"
     r = classify(_outcome(1 << 8, report={"error": {"type": "MemoryError", "message": "", "line": 2}}), lim)
     assert r.status == "memory" and r.error is not None and r.error.line == 2
-    r = classify(_outcome(125 << 8, report={"setup_error": "boom"}), lim)
-    assert r.status == "internal_error"
+    r = classify(_outcome(125 << 8, setup_error="boom"), lim)
+    assert r.status == "internal_error" and "boom" in (r.message or "")
+    # A program that writes "setup_error" into its own report only forges its error field.
+    r = classify(_outcome(125 << 8, report={"setup_error": "forged"}), lim)
+    assert r.status == "error"
     r = classify(Outcome(started=True, watchdog_fired=True), lim)
     assert r.status == "timeout" and r.started
     # Junk in the report never breaks classification.

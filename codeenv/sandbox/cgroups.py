@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -88,7 +89,8 @@ class JailCgroup(Protocol):
 
     name: str
 
-    def attach_self(self) -> None: ...
+    def procs_files(self) -> list[Path]: ...
+    def kill_all(self) -> bool: ...
     def set_memory_limit(self, limit_bytes: int) -> None: ...
     def set_pids_max(self, count: int) -> None: ...
     def memory_usage(self) -> int: ...
@@ -130,11 +132,11 @@ class V1Cgroup:
         self._memsw = (memory / "memory.memsw.limit_in_bytes").exists()
         self._files = _ControlFiles()
 
-    def attach_self(self) -> None:
-        # Runs in the child between fork and exec: plain writes only.
-        pid = str(os.getpid())
-        (self.memory / "cgroup.procs").write_text(pid)
-        (self.pids / "cgroup.procs").write_text(pid)
+    def procs_files(self) -> list[Path]:
+        return [self.memory / "cgroup.procs", self.pids / "cgroup.procs"]
+
+    def kill_all(self) -> bool:
+        return _kill_procs(self)
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         files = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if self._memsw else [])
@@ -201,8 +203,14 @@ class V2Cgroup:
         except OSError:
             self._peak_fd = None  # kernels before 6.12 cannot reset the peak: ru_maxrss is used
 
-    def attach_self(self) -> None:
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+    def procs_files(self) -> list[Path]:
+        return [self.path / "cgroup.procs"]
+
+    def kill_all(self) -> bool:
+        # cgroup.kill (5.14+) kills every process at once, forks in flight included.
+        with contextlib.suppress(OSError):
+            (self.path / "cgroup.kill").write_text("1")
+        return _kill_procs(self)
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         self._files.write(self.path / "memory.max", str(limit_bytes))
@@ -246,11 +254,7 @@ class V2Cgroup:
             return []
 
     def remove(self) -> None:
-        try:
-            (self.path / "cgroup.kill").write_text("1")
-        except OSError:
-            pass
-        _kill_procs(self)
+        self.kill_all()
         self._files.close()
         if self._peak_fd is not None:
             os.close(self._peak_fd)

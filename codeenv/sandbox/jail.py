@@ -77,9 +77,14 @@ def jail_env(image: Image) -> list[str]:
 
 def jail_config(
     settings: SandboxSettings, image: Image, profile: Profile, zygote_dir: Path, host_uid: int,
+    ctl_fd: int = CTL_FD,
 ) -> NsJailConfig:
-    """The nsjail config of one zygote of `profile`, running as `host_uid` on the host."""
+    """The nsjail config of one zygote of `profile`, running as `host_uid` on the host.
+
+    `ctl_fd` is the control socket's fd number; nsjail passes it through under the same number.
+    """
     zygote_config = {
+        "ctl_fd": ctl_fd,
         "profile": profile.name,
         "preload": profile.preload,
         "warmup": profile.warmup,
@@ -101,7 +106,7 @@ def jail_config(
         keep_caps=False,
         silent=False,
         log_level=LogLevel.WARNING,
-        pass_fd=[CTL_FD],
+        pass_fd=[ctl_fd],
         # The zygote's own bounds; each child gets the call's limits from the zygote.
         rlimit_as_type=RLimitType.HARD,
         rlimit_core=0,

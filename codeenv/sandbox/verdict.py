@@ -54,8 +54,8 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
         return result
 
     report = out.report or {}
-    if report.get("setup_error"):
-        result.message = f"the sandbox could not set up the call: {str(report['setup_error'])[:500]}"
+    if out.setup_error is not None:
+        result.message = f"the sandbox could not set up the call: {out.setup_error}"
         return result
     if exited.get("refused"):
         result.message = f"the sandbox refused the call: {exited['refused']}"

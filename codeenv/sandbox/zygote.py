@@ -7,16 +7,17 @@ SOCK_SEQPACKET control socket on fd 3 whose other end the worker holds.
 Invariants it keeps (shared/DESIGN.md):
 
 1. It never holds request bytes: a call arrives as limits (numbers) plus file descriptors (code and
-   stdin memfds, stdout/stderr pipes, a report memfd) that it passes to the child unread.
-2. The child cannot reach it: it is non-dumpable, ignores every catchable signal and hands the child
-   fds 0-2 only.
+   stdin memfds, stdout/stderr pipes, report and setup memfds) that it passes to the child unread.
+2. The child cannot reach it: it is non-dumpable, keeps no signal handler (so the kernel drops its
+   children's signals), and hands the child fds 0-2 only.
 3. Nothing of a call survives: after each call it kills every other process in the jail, reaps them,
    and has a short-lived janitor child wipe the work dir if anything was left there.
 
 Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
 
     zygote -> worker  {"op": "hello", ...}                      preloaded and ready
-    worker -> zygote  {"op": "run", "seq", limits...} + 5 fds   start a call
+    worker -> zygote  {"op": "run", "seq", limits...} + 6 fds   start a call (code, stdin, stdout,
+                                                                stderr, report and setup memfds)
     zygote -> worker  {"op": "starting", "seq"}                 sent before the fork: from here on
                                                                 the call counts as started
     worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
@@ -43,7 +44,7 @@ MAX_MSG = 65536
 FILENAME = "main.py"
 #: Environment the zygote's interpreter start-up needs but a program should not inherit.
 ZYGOTE_ONLY_ENV = ("PYTHONMALLOC", "GLIBC_TUNABLES")
-#: Exit code of a child whose setup (before user code) failed; the report memfd says why.
+#: Exit code of a child whose setup (before user code) failed; the setup memfd says why.
 SETUP_FAILED = 125
 
 _config: dict = {}
@@ -267,7 +268,7 @@ def _child(fds, limits):
     """Runs in the forked child; never returns."""
     import mmap
 
-    code_fd, stdin_fd, out_fd, err_fd, report_fd = fds
+    code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd = fds
     report = None
     try:
         os.setsid()
@@ -311,10 +312,15 @@ def _child(fds, limits):
         sys.modules["__main__"] = main
         sys.argv = [FILENAME]
         sys.path[0] = _config["workdir"]
-        del code_fd, stdin_fd, out_fd, err_fd, report_fd, fds
+        del code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd, fds
     except BaseException as exc:
-        if report is not None:
-            _write_report(report, {"setup_error": f"{type(exc).__name__}: {exc}"})
+        # The setup memfd is closed before user code runs, so only a real setup failure (never
+        # the program) can report one: the worker turns it into internal_error.
+        try:
+            data = json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"[:2000]}).encode()
+            os.pwrite(setup_fd, len(data).to_bytes(4, "little") + data, 0)
+        except BaseException:
+            pass
         os._exit(SETUP_FAILED)
 
     status = 0
@@ -423,10 +429,10 @@ def _clean(baseline, timeout_s):
 
 def _run(ctl, msg, fds, baseline):
     seq = msg["seq"]
-    if len(fds) != 5:
+    if len(fds) != 6:
         for fd in fds:
             os.close(fd)
-        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 5 fds, got {len(fds)}"})
+        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 6 fds, got {len(fds)}"})
         _send(ctl, {"op": "ready", "seq": seq, "clean": True})
         return
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -491,7 +497,7 @@ def main():
     _config = json.loads(sys.argv[1])
     _set_dumpable(0)
     _deaf_to_signals()
-    ctl = socket.socket(fileno=CTL_FD)
+    ctl = socket.socket(fileno=_config.get("ctl_fd", CTL_FD))
     t0 = time.monotonic()
     errors = _preload(["mmap", "io", "types", "builtins", "linecache", "traceback", "atexit",
                        *_config["preload"]])

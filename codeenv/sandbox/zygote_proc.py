@@ -26,12 +26,15 @@ from typing import Any
 from codeenv.errors import SandboxError
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
-from codeenv.sandbox.jail import CTL_FD, REPORT_BYTES, WORKDIR, config_text, jail_config
+from codeenv.sandbox.jail import REPORT_BYTES, WORKDIR, config_text, jail_config
 from codeenv.settings import LimitValues, SandboxSettings
 
 logger = logging.getLogger(__name__)
 
 MAX_MSG = 65536
+#: argv: procs files to join, "--", then the command to exec.
+ATTACH_AND_EXEC = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
+
 READ_CHUNK = 65536
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 F_ADD_SEALS = 1033
@@ -63,6 +66,7 @@ class Outcome:
     watchdog_fired: bool = False
     zygote_died: bool = False
     cancelled: bool = False
+    setup_error: str | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -144,6 +148,7 @@ class ZygoteProcess:
         self.dead = True
         self.hello: dict[str, Any] = {}
         self.baseline_pids = 0
+        self.baseline_memory = 0
         self.baseline_workdir: tuple[int, int] = (0, 0)
         self.zygote_pid = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -167,19 +172,11 @@ class ZygoteProcess:
 
     async def start(self) -> None:
         cfg_path = self.runtime_dir / f"{self.name}.cfg"
-        cfg = jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid)
-        cfg_path.write_text(config_text(cfg))
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent.setblocking(False)
-        cgroup, child_fd = self.cgroup, child.fileno()
-
-        def in_child() -> None:  # between fork and exec: join the jail's cgroup, put the socket on fd 3
-            cgroup.attach_self()
-            if child_fd != CTL_FD:
-                os.dup2(child_fd, CTL_FD)
-            else:
-                os.set_inheritable(CTL_FD, True)
-
+        cfg = jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid,
+                          ctl_fd=child.fileno())
+        cfg_path.write_text(config_text(cfg))
         self.inbox = asyncio.Queue()
         self._stopping = False
         self._events = None
@@ -189,10 +186,14 @@ class ZygoteProcess:
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
         self.cgroup.set_pids_max(64)
         try:
+            # A shell joins the jail's cgroup and execs nsjail, so the zygote and everything it
+            # forks are counted there from the first instruction (no preexec_fn: this process has
+            # threads, and code between fork and exec could deadlock on their locks).
             self.proc = await asyncio.create_subprocess_exec(
+                "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, self.cgroup.procs_files()), "--",
                 str(self.nsjail), "--config", str(cfg_path),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                preexec_fn=in_child, pass_fds=(CTL_FD,), start_new_session=True,
+                pass_fds=(child.fileno(),), start_new_session=True,
             )
         finally:
             child.close()
@@ -206,11 +207,14 @@ class ZygoteProcess:
             hello = await self._expect("hello", self.settings.zygote_start_timeout_s)
         except (ZygoteDied, TimeoutError) as exc:
             await self.stop()
-            raise SandboxError(f"zygote {self.name} did not start: {exc}") from exc
+            raise SandboxError(f"zygote {self.name} did not start: {exc!r}") from exc
         if hello.get("preload_errors"):
             logger.warning("zygote %s could not preload: %s", self.name, hello["preload_errors"])
         self.hello = hello
         self.baseline_pids = self.cgroup.pids_current()
+        # The per-call memory limit sits on top of what the idle zygote uses now; measured once, so
+        # page cache a call leaves charged here cannot raise the next call's allowance.
+        self.baseline_memory = self.cgroup.memory_usage()
         procs = [p for p in self.cgroup.procs() if p != self.proc.pid]
         self.zygote_pid = procs[0] if len(procs) == 1 else 0
         self.baseline_workdir = self._workdir_usage() or (0, 0)
@@ -220,28 +224,26 @@ class ZygoteProcess:
     async def stop(self) -> None:
         self.dead = True
         self._stopping = True
-        if self.ctl is not None:
-            self.ctl.close()
-            self.ctl = None
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(self._kill_cgroup)
-        if self.proc is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.proc.wait(), 10)
+        # Unhook the control socket from the event loop before closing it: a closed fd left
+        # registered would shadow the next file that reuses its number.
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        await self._kill()
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.proc.wait(), 10)
 
-    def _kill_cgroup(self) -> None:
-        deadline = time.monotonic() + 5
-        while (pids := self.cgroup.procs()) and time.monotonic() < deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+    async def _kill(self) -> None:
+        """SIGKILL nsjail and every process of the jail, from outside."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(self.cgroup.kill_all)
 
     async def _read_control(self) -> None:
         loop = asyncio.get_running_loop()
@@ -331,10 +333,9 @@ class ZygoteProcess:
     # --- one call -------------------------------------------------------------------------------
 
     def _apply_limits(self, limits: LimitValues) -> int:
-        usage = self.cgroup.memory_usage()
-        limit = usage + (limits.memory_mb << 20)
-        # Rewrite only when it moved by more than 1 MiB: a write costs a syscall or two.
-        if abs(limit - self._memory_limit) > (1 << 20):
+        """Set the call's memory and pids caps; return the memory in use before it starts."""
+        limit = self.baseline_memory + (limits.memory_mb << 20)
+        if limit != self._memory_limit:
             self.cgroup.set_memory_limit(limit)
             self._memory_limit = limit
         pids_max = self.baseline_pids + limits.processes
@@ -342,10 +343,10 @@ class ZygoteProcess:
             self.cgroup.set_pids_max(pids_max)
             self._pids_max = pids_max
         self.cgroup.reset_peak()
-        return usage
+        return self.cgroup.memory_usage()
 
     async def run(self, code: bytes, stdin: bytes, limits: LimitValues) -> Outcome:
-        """Run one call. Raises ZygoteDied(started=False) if it provably never started."""
+        """Run one call. Raises ZygoteDied(started=False) only if it provably never started."""
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
         loop = asyncio.get_running_loop()
@@ -357,10 +358,6 @@ class ZygoteProcess:
             self._events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
         oom0, pids0 = self._events
         self._events = None
-
-        fds: list[int] = []
-        ours: list[int] = []
-        drains: list[_Drain] = []
         kill_sent = False
 
         def overflow() -> None:
@@ -371,66 +368,85 @@ class ZygoteProcess:
                 with contextlib.suppress(ZygoteDied):
                     self._send({"op": "kill", "seq": seq})
 
-        try:
-            code_fd = _sealed_memfd("code", code)
-            fds.append(code_fd)
-            fds.append(_sealed_memfd("stdin", stdin))
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            ours += [out_r, err_r]
-            fds += [out_w, err_w]
-            report_fd = os.memfd_create("report", os.MFD_CLOEXEC)
-            os.ftruncate(report_fd, REPORT_BYTES)
-            fds.append(report_fd)
-            report_keep = os.dup(report_fd)
-            ours.append(report_keep)
-            msg = {
-                "op": "run", "seq": seq, "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
-                "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files,
-                "report_bytes": REPORT_BYTES,
-            }
-            t0 = time.monotonic()
-            self._send(msg, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        ours.remove(out_r)
-        ours.remove(err_r)
-        drains = [
-            _Drain(loop, out_r, limits.output_bytes, overflow),
-            _Drain(loop, err_r, limits.output_bytes, overflow),
-        ]
+        # Ours: the pipes' read ends and our handles on the two report memfds. Theirs: what the
+        # child gets (closed here once sent). Everything is closed on every path out.
+        ours: list[int] = []
+        theirs: list[int] = []
+        drains: list[_Drain] = []
         try:
             try:
+                theirs.append(_sealed_memfd("code", code))
+                theirs.append(_sealed_memfd("stdin", stdin))
+                for _ in range(2):
+                    r, w = os.pipe2(os.O_CLOEXEC)
+                    ours.append(r)
+                    theirs.append(w)
+                for name in ("report", "setup"):
+                    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+                    theirs.append(fd)
+                    os.ftruncate(fd, REPORT_BYTES)
+                    ours.append(os.dup(fd))
+                msg = {
+                    "op": "run", "seq": seq, "wall_s": limits.wall_s,
+                    "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
+                    "nofile": limits.open_files, "report_bytes": REPORT_BYTES,
+                }
+                t0 = time.monotonic()
+                self._send(msg, theirs)
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+            out_r, err_r, report_fd, setup_fd = ours
+            drains = [
+                _Drain(loop, out_r, limits.output_bytes, overflow),
+                _Drain(loop, err_r, limits.output_bytes, overflow),
+            ]
+            del ours[:2]  # the drains own the read ends now
+
+            try:
                 await self._expect("starting", self.settings.control_timeout_s, seq)
-            except (ZygoteDied, TimeoutError) as exc:
-                await self._recycle_after_failure()
-                raise ZygoteDied(f"zygote {self.name} did not take the call: {exc}", started=False) from exc
+            except ZygoteDied as exc:
+                # The zygote says "starting" before it forks, and that message outlives it in the
+                # socket: reaching EOF without it proves the call never ran.
+                await self.stop()
+                raise ZygoteDied(f"zygote {self.name} died before the call: {exc}", started=False) from exc
+            except TimeoutError:
+                if not await self._kill_and_check_started(seq):
+                    await self.stop()
+                    raise ZygoteDied(f"zygote {self.name} did not take the call", started=False) from None
+                out.zygote_died = True
+                out.notes.append("the zygote stopped answering after it started the call; the jail was recycled")
+                await self.stop()
             out.started = True
             if out.output_overflow:
                 overflow()
-            budget = limits.wall_s + self.settings.kill_grace_s
-            try:
-                out.exited = await self._expect("exited", budget, seq)
-                self._ready = out.exited if out.exited.get("ready") else None
-            except TimeoutError:
-                out.watchdog_fired = True
-                out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
-                await self.stop()
-            except ZygoteDied:
-                out.zygote_died = True
-                await self.stop()
-            except asyncio.CancelledError:
-                out.cancelled = True
-                await self.stop()
-                raise
+            if not out.zygote_died:
+                budget = limits.wall_s + self.settings.kill_grace_s
+                try:
+                    out.exited = await self._expect("exited", budget, seq)
+                    self._ready = out.exited if out.exited.get("ready") else None
+                except TimeoutError:
+                    out.watchdog_fired = True
+                    out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
+                    await self.stop()
+                except ZygoteDied:
+                    out.zygote_died = True
+                    out.notes.append("the zygote died during the call; the jail was recycled")
+                    await self.stop()
+                except asyncio.CancelledError:
+                    out.cancelled = True
+                    await self.stop()
+                    raise
             out.wall_s = time.monotonic() - t0
             # Every writer is dead now, so the pipes reach EOF promptly.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
             out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
-            out.report = self._read_report(report_keep)
+            out.report = self._read_report(report_fd)
+            setup = self._read_report(setup_fd)
+            if setup is not None:
+                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
             with contextlib.suppress(OSError, ValueError):
                 # Counters only move while a call runs: these are the next call's baseline too.
                 events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
@@ -447,6 +463,19 @@ class ZygoteProcess:
             for fd in ours:
                 os.close(fd)
 
+    async def _kill_and_check_started(self, seq: int) -> bool:
+        """Kill the silent jail, then read what it had sent: did it say "starting" for `seq`?"""
+        await self._kill()
+        try:
+            async with asyncio.timeout(self.settings.control_timeout_s):
+                while (msg := await self.inbox.get()) is not None:
+                    if msg.get("op") == "starting" and msg.get("seq") == seq:
+                        return True
+        except TimeoutError:
+            return True  # cannot prove it never started
+        self.inbox.put_nowait(None)
+        return False
+
     @staticmethod
     def _read_report(fd: int) -> dict[str, Any] | None:
         try:
@@ -456,7 +485,7 @@ class ZygoteProcess:
                 return None
             report = json.loads(os.pread(fd, size, 4))
             return report if isinstance(report, dict) else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # the program may have scribbled on it
             return None
 
     async def finish(self) -> str | None:
@@ -482,5 +511,3 @@ class ZygoteProcess:
             return f"the work dir holds {usage} (inodes, blocks) instead of {self.baseline_workdir}"
         return None
 
-    async def _recycle_after_failure(self) -> None:
-        await self.stop()
