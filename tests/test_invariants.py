@@ -180,3 +180,76 @@ async def test_fork_bomb_in_one_slot_does_not_starve_another(run: Runner) -> Non
     assert ok.status == "ok" and ok.stdout == "neighbour fine\n", ok
     assert bomb_result.status != "ok"
     await run.healthy_after(0)
+
+
+async def test_child_cannot_change_the_zygotes_limits_or_scheduling(run: Runner, pool: SlotPool) -> None:
+    before = pool.restarts
+    code = (
+        "import os, resource\n"
+        "attempts = {\n"
+        "    'prlimit': lambda: resource.prlimit(1, resource.RLIMIT_NOFILE, (5, 5)),\n"
+        "    'prlimit_as': lambda: resource.prlimit(os.getppid(), resource.RLIMIT_AS, (1 << 20, 1 << 20)),\n"
+        "    'setpriority': lambda: os.setpriority(os.PRIO_PROCESS, 1, 19),\n"
+        "    'setpriority_user': lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
+        "    'affinity': lambda: os.sched_setaffinity(1, {0}),\n"
+        "    'scheduler': lambda: os.sched_setscheduler(1, os.SCHED_IDLE, os.sched_param(0)),\n"
+        "}\n"
+        "for name, attempt in attempts.items():\n"
+        "    try:\n"
+        "        attempt(); print('CHANGED', name)\n"
+        "    except OSError:\n"
+        "        print('refused', name)\n"
+        "os.nice(5)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))\n"
+        "print('own limits ok')\n"
+    )
+    for profile in ("light", "math"):
+        r = await run(code, slot=0, profile=profile)
+        assert "CHANGED" not in r.stdout and r.stdout.endswith("own limits ok\n"), r
+        r = await run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0), len(os.sched_getaffinity(0)) >= 1)",
+                      slot=0, profile=profile)
+        assert r.stdout == "0 True\n"
+    assert pool.restarts == before
+
+
+FORGE_REPORT = r"""
+import sys, json
+frame = sys._getframe(0)
+while frame and 'report' not in frame.f_locals:
+    frame = frame.f_back
+report = frame.f_locals['report']
+data = json.dumps(dict(setup_error="forged")).encode() if MODE == 'setup' else b'[' * 30000
+report[:4] = len(data).to_bytes(4, 'little')
+report[4:4 + len(data)] = data
+print('scribbled')
+"""
+
+
+@pytest.mark.parametrize("mode", ["setup", "deep"])
+async def test_scribbling_on_the_report_cannot_forge_the_status(run: Runner, mode: str) -> None:
+    r = await run(f"MODE = {mode!r}\n" + FORGE_REPORT)
+    assert r.status == "ok" and r.stdout == "scribbled\n", r
+
+
+async def test_default_acl_on_the_work_dir_does_not_survive(run: Runner, pool: SlotPool) -> None:
+    code = (
+        "import os, struct\n"
+        "# a default ACL: user::---, group::---, other::--- (xattr format version 2)\n"
+        "entry = lambda tag, perm: struct.pack('<HHI', tag, perm, 0xFFFFFFFF)\n"
+        "acl = struct.pack('<I', 2) + entry(1, 0) + entry(4, 0) + entry(32, 0)\n"
+        "os.setxattr('/work', 'system.posix_acl_default', acl)\n"
+        "print(os.listxattr('/work'))\n"
+    )
+    r = await run(code, slot=1)
+    assert r.status == "ok" and "posix_acl_default" in r.stdout, r
+    r = await run("open('f', 'w').write('x')\nprint(open('f').read(), __import__('os').listxattr('/work'))", slot=1)
+    assert r.stdout == "x []\n", r
+
+
+async def test_wide_trees_of_directories_are_wiped_quickly(run: Runner, pool: SlotPool) -> None:
+    before = pool.restarts
+    r = await run("import os\nfor i in range(20000):\n    os.mkdir(f'd{i}')\nos.makedirs('a/b/c')", slot=0, wall_s=30)
+    assert r.status == "ok"
+    r = await asyncio.wait_for(run("import os\nprint(os.listdir('.'))", slot=0), 20)
+    assert r.stdout == "[]\n"
+    assert pool.restarts == before

@@ -42,6 +42,11 @@ POLICY codeenv {
   },
   ERRNO(38) { io_uring_setup, io_uring_enter, io_uring_register, clone3 },
   ERRNO(1) { clone { (clone_flags & 0x7e020000) != 0 } },
+  ERRNO(1) {
+    prlimit64 { pid != 0 }, sched_setaffinity { pid != 0 }, sched_setscheduler { pid != 0 },
+    sched_setparam { pid != 0 }, sched_setattr { pid != 0 },
+    setpriority { which != 0 || who != 0 }, ioprio_set { which != 1 || who != 0 }
+  },
   ERRNO(97) { socket { family == 16 || family == 17 || family == 40 } }
 }
 USE codeenv DEFAULT ALLOW
@@ -49,6 +54,9 @@ USE codeenv DEFAULT ALLOW
 # clone3 answers ENOSYS so glibc falls back to clone, whose flags seccomp can inspect.
 # 0x7e020000 = CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET.
 # Sockets: 16 = AF_NETLINK, 17 = AF_PACKET, 40 = AF_VSOCK.
+# Limits, priority and CPU affinity may be changed for the calling process only: the zygote runs
+# under the same uid, and non-dumpable does not protect it from these (a call could otherwise
+# lower the zygote's RLIMIT_NOFILE or pin it to one CPU, and every later call would suffer).
 
 
 def jail_env(image: Image) -> list[str]:

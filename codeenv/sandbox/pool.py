@@ -83,11 +83,23 @@ class _SlotBroker:
         self._free: list[Slot] = []
         self._waiters: collections.deque[asyncio.Future[Slot]] = collections.deque()
         self._pinned: dict[int, collections.deque[asyncio.Future[Slot]]] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Fail every waiting call: the pool is going away."""
+        self.closed = True
+        for queue in (self._waiters, *self._pinned.values()):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_exception(PoolClosed("the slot pool is shutting down"))
 
     def __len__(self) -> int:
         return len(self._free)
 
     async def acquire(self, index: int | None = None) -> Slot:
+        if self.closed:
+            raise PoolClosed("the slot pool is shutting down")
         for slot in self._free:
             if index is None or slot.index == index:
                 self._free.remove(slot)
@@ -178,9 +190,10 @@ class SlotPool:
 
     async def close(self) -> None:
         self._open = False
+        self._free.close()
         if self._supervisor is not None:
             self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(BaseException):
                 await self._supervisor
         for task in list(self._background):
             task.cancel()
@@ -293,8 +306,8 @@ class SlotPool:
                 reason = problem or await zygote.finish()
                 if reason is not None:
                     await slot.recycle(zygote, reason)
-        except SandboxError as exc:
-            logger.error("%s could not be restarted: %s", slot.worker, exc)
+        except Exception as exc:  # a slot that cannot restart must not take the pool down
+            logger.error("%s could not be restarted: %r", slot.worker, exc)
             await asyncio.sleep(1)
         finally:
             zygote.busy = False
@@ -316,8 +329,8 @@ class SlotPool:
                 return
             try:
                 await slot.recycle(zygote, "its zygote died while idle")
-            except SandboxError as exc:
-                logger.error("%s could not be restarted: %s", slot.worker, exc)
+            except Exception as exc:
+                logger.error("%s could not be restarted: %r", slot.worker, exc)
 
     async def _supervise(self) -> None:
         """Ping idle zygotes; replace the silent or dead ones."""
@@ -328,11 +341,13 @@ class SlotPool:
                     if zygote.busy or zygote.lock.locked():
                         continue
                     async with zygote.lock:
+                        if zygote.busy:
+                            continue
                         if zygote.dead or not await zygote.ping():
                             try:
                                 await slot.recycle(zygote, "it stopped answering while idle")
-                            except SandboxError as exc:
-                                logger.error("%s could not be restarted: %s", slot.worker, exc)
+                            except Exception as exc:
+                                logger.error("%s could not be restarted: %r", slot.worker, exc)
 
 
 def _check_traversable(path: Path) -> None:

@@ -509,5 +509,8 @@ class ZygoteProcess:
         usage = self._workdir_usage()
         if usage is not None and usage != self.baseline_workdir:
             return f"the work dir holds {usage} (inodes, blocks) instead of {self.baseline_workdir}"
+        with contextlib.suppress(OSError):
+            if os.listxattr(f"/proc/{self.zygote_pid}/root{WORKDIR}"):
+                return "the work dir kept extended attributes"
         return None
 
