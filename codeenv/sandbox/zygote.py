@@ -281,7 +281,9 @@ def _child(fds, limits):
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
-        os.closerange(3, 1 << 20)
+        # Every fd above 2 goes, the control socket included; the setup memfd last (below).
+        os.closerange(3, setup_fd)
+        os.closerange(setup_fd + 1, 1 << 20)
         cpu = limits["cpu_s"]
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_bytes"],) * 2)
@@ -312,7 +314,8 @@ def _child(fds, limits):
         sys.modules["__main__"] = main
         sys.argv = [FILENAME]
         sys.path[0] = _config["workdir"]
-        del code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd, fds
+        del code_fd, stdin_fd, out_fd, err_fd, report_fd, fds
+        os.close(setup_fd)
     except BaseException as exc:
         # The setup memfd is closed before user code runs, so only a real setup failure (never
         # the program) can report one: the worker turns it into internal_error.
