@@ -196,3 +196,16 @@ async def test_work_dir_is_capped(run: Runner, restarts: RestartCounter) -> None
     assert r.status == "ok" and r.stdout == "28\n"  # ENOSPC
     await run.healthy_after(1)
     assert restarts.delta == 0
+
+
+async def test_one_call_uses_at_most_its_cpu_share(run: Runner) -> None:
+    code = (
+        "import threading, time\n"
+        "end = time.monotonic() + 1.5\n"
+        "def burn():\n    while time.monotonic() < end: pass\n"
+        "ts = [threading.Thread(target=burn) for _ in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+    )
+    r = await run(code, slot=0, wall_s=10)
+    assert r.status == "ok"
+    assert r.cpu_s < 1.5 * 1.2 + 0.2  # one core's worth (cpus_per_call = 1), not four

@@ -141,3 +141,42 @@ def test_verdicts() -> None:
     # Junk in the report never breaks classification.
     r = classify(_outcome(1 << 8, report={"error": {"type": ["x"], "line": "7", "message": None}}), lim)
     assert r.status == "error" and r.error is not None and r.error.line is None
+
+
+def test_cgroup_v2_layout(tmp_path: Path) -> None:
+    """The v2 logic against a directory laid out like a delegated v2 hierarchy (this host runs v1)."""
+    from codeenv.sandbox.cgroups import CgroupTree
+
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    tree = CgroupTree.create(root=tmp_path, tag="codeenv-test")
+    assert tree.version == 2
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    base = tmp_path / "codeenv-test"
+    (tmp_path / "cgroup.subtree_control").write_text("memory pids cpu")
+    tree = CgroupTree.create(root=tmp_path, tag="codeenv-test")
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    group = tree.group("slot0-light")
+    for f in ("memory.max", "memory.swap.max", "pids.max"):
+        (base / "slot0-light" / f).write_text("")
+    (base / "slot0-light" / "cpu.max").write_text("")
+    group.set_memory_limit(256 << 20)
+    group.set_pids_max(70)
+    group.set_cpu_limit(1.5)
+    assert (base / "slot0-light" / "memory.max").read_text() == str(256 << 20)
+    assert (base / "slot0-light" / "pids.max").read_text() == "70"
+    assert (base / "slot0-light" / "cpu.max").read_text() == "150000 100000"
+    assert group.procs_files() == [base / "slot0-light" / "cgroup.procs"]
+    (base / "slot0-light" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    (base / "slot0-light" / "pids.events").write_text("max 2\n")
+    (base / "slot0-light" / "memory.current").write_text("1234\n")
+    assert (group.oom_kills(), group.pids_limit_hits(), group.memory_usage()) == (1, 2, 1234)
+
+
+def test_cgroup_v2_without_delegation_is_refused(tmp_path: Path) -> None:
+    from codeenv.errors import SandboxError
+    from codeenv.sandbox.cgroups import CgroupTree
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(SandboxError, match="does not delegate the memory, pids"):
+        CgroupTree.create(root=tmp_path, tag="codeenv-test")

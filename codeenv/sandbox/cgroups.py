@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -90,6 +91,7 @@ class JailCgroup(Protocol):
     name: str
 
     def procs_files(self) -> list[Path]: ...
+    def set_cpu_limit(self, cpus: float) -> None: ...
     def kill_all(self) -> bool: ...
     def set_memory_limit(self, limit_bytes: int) -> None: ...
     def set_pids_max(self, count: int) -> None: ...
@@ -123,17 +125,26 @@ def _kill_procs(group: JailCgroup, timeout_s: float = 5.0) -> bool:
 class V1Cgroup:
     """A jail's group in the v1 ``memory`` and ``pids`` hierarchies."""
 
-    def __init__(self, name: str, memory: Path, pids: Path) -> None:
+    def __init__(self, name: str, memory: Path, pids: Path, cpu: Path | None = None) -> None:
         self.name = name
         self.memory = memory
         self.pids = pids
-        for d in (memory, pids):
-            d.mkdir(exist_ok=True)
+        self.cpu = cpu
+        for d in (memory, pids, cpu):
+            if d is not None:
+                d.mkdir(exist_ok=True)
         self._memsw = (memory / "memory.memsw.limit_in_bytes").exists()
         self._files = _ControlFiles()
 
     def procs_files(self) -> list[Path]:
-        return [self.memory / "cgroup.procs", self.pids / "cgroup.procs"]
+        dirs = [self.memory, self.pids] + ([self.cpu] if self.cpu else [])
+        return [d / "cgroup.procs" for d in dirs]
+
+    def set_cpu_limit(self, cpus: float) -> None:
+        if self.cpu is None:
+            return
+        self._files.write(self.cpu / "cpu.cfs_period_us", "100000")
+        self._files.write(self.cpu / "cpu.cfs_quota_us", str(int(cpus * 100_000)) if cpus > 0 else "-1")
 
     def kill_all(self) -> bool:
         return _kill_procs(self)
@@ -180,7 +191,9 @@ class V1Cgroup:
     def remove(self) -> None:
         _kill_procs(self)
         self._files.close()
-        for d in (self.memory, self.pids):
+        for d in (self.memory, self.pids, self.cpu):
+            if d is None:
+                continue
             try:
                 d.rmdir()
             except FileNotFoundError:
@@ -205,6 +218,11 @@ class V2Cgroup:
 
     def procs_files(self) -> list[Path]:
         return [self.path / "cgroup.procs"]
+
+    def set_cpu_limit(self, cpus: float) -> None:
+        if not (self.path / "cpu.max").exists():
+            return
+        self._files.write(self.path / "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
 
     def kill_all(self) -> bool:
         # cgroup.kill (5.14+) kills every process at once, forks in flight included.
@@ -267,6 +285,34 @@ class V2Cgroup:
             logger.warning("cannot remove cgroup %s: %s", self.path, exc)
 
 
+def _enable_v2_controllers(parent: Path, controllers: list[str]) -> None:
+    """Make `controllers` available to groups below `parent` (cgroup v2).
+
+    v2 forbids a group with processes from handing controllers to its children, so when the
+    worker itself sits in `parent` it first moves into a leaf of its own.
+    """
+    control = parent / "cgroup.subtree_control"
+    if set(controllers) <= set(control.read_text().split()):
+        return
+    request = " ".join(f"+{c}" for c in controllers)
+    try:
+        control.write_text(request)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise SandboxError(f"cannot enable {request} in {control}: {exc}") from exc
+    leaf = parent / f"codeenv-worker-{os.getpid()}"
+    try:
+        leaf.mkdir(exist_ok=True)
+        (leaf / "cgroup.procs").write_text(str(os.getpid()))
+        control.write_text(request)
+    except OSError as exc:
+        raise SandboxError(
+            f"cannot enable {request} in {control} ({exc}): other processes share the worker's cgroup; "
+            "give the worker a cgroup of its own"
+        ) from exc
+
+
 class CgroupTree:
     """The worker's own subtree of jail cgroups."""
 
@@ -284,15 +330,21 @@ class CgroupTree:
                 "memory": v1_memory / _own_cgroup("memory").lstrip("/") / tag,
                 "pids": v1_pids / _own_cgroup("pids").lstrip("/") / tag,
             }
+            if (root / "cpu" / "cpu.cfs_quota_us").exists():
+                bases["cpu"] = root / "cpu" / _own_cgroup("cpu").lstrip("/") / tag
             version = 1
         elif (root / "cgroup.controllers").exists():
             parent = root / _own_cgroup("").lstrip("/")
-            missing = {"memory", "pids"} - set((parent / "cgroup.controllers").read_text().split())
+            available = set((parent / "cgroup.controllers").read_text().split())
+            missing = {"memory", "pids"} - available
             if missing:
                 raise SandboxError(
                     f"cgroup v2 at {parent} does not delegate the {', '.join(sorted(missing))} "
-                    "controller(s); run the worker where it owns a delegated cgroup subtree"
+                    "controller(s); run the worker where it owns a delegated cgroup subtree "
+                    "(systemd: Delegate=yes; containers: a private cgroup namespace)"
                 )
+            wanted = ["memory", "pids"] + (["cpu"] if "cpu" in available else [])
+            _enable_v2_controllers(parent, wanted)
             bases = {"unified": parent / tag}
             version = 2
         else:
@@ -303,7 +355,9 @@ class CgroupTree:
             for base in bases.values():
                 base.mkdir(exist_ok=True)
             if version == 2:
-                (bases["unified"] / "cgroup.subtree_control").write_text("+memory +pids")
+                enabled = (bases["unified"].parent / "cgroup.subtree_control").read_text().split()
+                (bases["unified"] / "cgroup.subtree_control").write_text(
+                    " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in enabled))
         except OSError as exc:
             raise SandboxError(f"cannot create the jail cgroups under {list(bases.values())}: {exc}") from exc
         cls._reap_stale(bases)
@@ -327,7 +381,8 @@ class CgroupTree:
 
     def group(self, name: str) -> JailCgroup:
         if self.version == 1:
-            return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name)
+            cpu = self.bases["cpu"] / name if "cpu" in self.bases else None
+            return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name, cpu)
         return V2Cgroup(name, self.bases["unified"] / name)
 
     def remove(self) -> None:

@@ -185,6 +185,7 @@ class ZygoteProcess:
         # Headroom for start-up (imports); the per-call limit is set before each call.
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
         self.cgroup.set_pids_max(64)
+        self.cgroup.set_cpu_limit(self.settings.cpus_per_call)
         try:
             # A shell joins the jail's cgroup and execs nsjail, so the zygote and everything it
             # forks are counted there from the first instruction (no preexec_fn: this process has
