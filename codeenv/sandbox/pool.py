@@ -154,6 +154,7 @@ class SlotPool:
         settings = self.settings
         self.image = await asyncio.to_thread(ensure_image, settings, self.progress)
         nsjail = nsjail_binary(settings)
+        _remove_stale_runtime(settings.runtime_dir)
         tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
         self._tree = CgroupTree.create(settings.cgroup_root, tag)
         self._runtime = settings.runtime_dir / tag
@@ -348,6 +349,16 @@ class SlotPool:
                                 await slot.recycle(zygote, "it stopped answering while idle")
                             except Exception as exc:
                                 logger.error("%s could not be restarted: %r", slot.worker, exc)
+
+
+def _remove_stale_runtime(runtime_dir: Path) -> None:
+    """Runtime dirs of workers that died without closing their pool."""
+    if not runtime_dir.is_dir():
+        return
+    for d in runtime_dir.glob("codeenv-*"):
+        pid = d.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _check_traversable(path: Path) -> None:
