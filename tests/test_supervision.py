@@ -63,7 +63,7 @@ async def test_busy_zygote_killed_reports_started(small_pool: SlotPool) -> None:
 async def test_hung_idle_zygote_is_redispatched_unstarted(small_pool: SlotPool) -> None:
     before = small_pool.restarts
     os.kill(light(small_pool).zygote_pid, signal.SIGSTOP)
-    r = await call(small_pool, "print('ran once')")
+    r = await call(small_pool, "print('ran once')", wall_s=2)
     assert r.status == "ok" and r.stdout == "ran once\n"  # type: ignore[attr-defined]
     assert small_pool.restarts >= before + 1
 

@@ -297,6 +297,14 @@ class SlotPool:
 
     def _release(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         """Return the slot to the pool once the call's traces are gone (in the background)."""
+        if problem is None and zygote.ready_now and not zygote.lock.locked():
+            # The common case: the call left nothing to wipe and the checks need no waiting.
+            problem = zygote.finish_now()
+            if problem is None:
+                zygote.busy = False
+                if self._open:
+                    self._free.release(slot)
+                return
         task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -304,7 +312,7 @@ class SlotPool:
     async def _cleanup(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         try:
             async with zygote.lock:
-                reason = problem or await zygote.finish()
+                reason = problem if problem is not None else await zygote.finish()
                 if reason is not None:
                     await slot.recycle(zygote, reason)
         except Exception as exc:  # a slot that cannot restart must not take the pool down

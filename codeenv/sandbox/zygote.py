@@ -18,8 +18,8 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
     zygote -> worker  {"op": "hello", ...}                      preloaded and ready
     worker -> zygote  {"op": "run", "seq", limits...} + 6 fds   start a call (code, stdin, stdout,
                                                                 stderr, report and setup memfds)
-    zygote -> worker  {"op": "starting", "seq"}                 sent before the fork: from here on
-                                                                the call counts as started
+    (no message)      a byte set in the setup memfd             written before the fork: from here
+                                                                on the call counts as started
     worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
     zygote -> worker  {"op": "exited", "seq", status...}        every process of the call is gone
     zygote -> worker  {"op": "ready", "seq", "clean"}           traces wiped; ready for the next call
@@ -447,7 +447,9 @@ def _run(ctl, msg, fds, baseline):
         _send(ctl, {"op": "ready", "seq": seq, "clean": True})
         return
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    _send(ctl, {"op": "starting", "seq": seq})
+    # Before the fork, the mark that the call may have started: the worker reads it only if this
+    # zygote dies or hangs, to tell a call it can safely run elsewhere from one it must not rerun.
+    os.pwrite(fds[5], b"\x01", msg["report_bytes"] - 1)
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:

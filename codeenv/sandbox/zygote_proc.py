@@ -71,6 +71,14 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
+def _started_mark(setup_fd: int) -> bool:
+    """Whether the zygote marked the call as started (it does so just before it forks)."""
+    try:
+        return os.pread(setup_fd, 1, REPORT_BYTES - 1) == b"\x01"
+    except OSError:
+        return True  # cannot prove it never started
+
+
 def _sealed_memfd(name: str, data: bytes) -> int:
     """A read-only fd of a sealed memfd holding `data`: the child can read it, nobody can change it."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -157,6 +165,7 @@ class ZygoteProcess:
         self._seq = 0
         self._events: tuple[int, int] | None = None
         self._ready: dict[str, Any] | None = None
+        self._workdir_fd: int | None = None
         self.lock = asyncio.Lock()
         #: From taking a call until its traces are verified gone; nobody else may talk to it then.
         self.busy = False
@@ -218,6 +227,14 @@ class ZygoteProcess:
         self.baseline_memory = self.cgroup.memory_usage()
         procs = [p for p in self.cgroup.procs() if p != self.proc.pid]
         self.zygote_pid = procs[0] if len(procs) == 1 else 0
+        if self._workdir_fd is not None:
+            os.close(self._workdir_fd)
+            self._workdir_fd = None
+        if self.zygote_pid:
+            # The jail's work dir seen from outside, opened once (the path walks the zygote's root).
+            with contextlib.suppress(OSError):
+                self._workdir_fd = os.open(f"/proc/{self.zygote_pid}/root{WORKDIR}",
+                                           os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.baseline_workdir = self._workdir_usage() or (0, 0)
         logger.info("zygote %s ready: preload %.2fs, %d modules, pid %d",
                     self.name, hello.get("preload_s", 0), hello.get("modules", 0), self.zygote_pid)
@@ -234,6 +251,9 @@ class ZygoteProcess:
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
+        if self._workdir_fd is not None:
+            os.close(self._workdir_fd)
+            self._workdir_fd = None
         await self._kill()
         if self.proc is not None:
             with contextlib.suppress(Exception):
@@ -308,10 +328,10 @@ class ZygoteProcess:
             raise ZygoteDied(f"zygote {self.name} control socket: {exc}", started=False) from exc
 
     def _workdir_usage(self) -> tuple[int, int] | None:
-        if not self.zygote_pid:
+        if self._workdir_fd is None:
             return None
         try:
-            st = os.statvfs(f"/proc/{self.zygote_pid}/root{WORKDIR}")
+            st = os.fstatvfs(self._workdir_fd)
         except OSError:
             return None
         return st.f_files - st.f_ffree, st.f_blocks - st.f_bfree
@@ -364,7 +384,7 @@ class ZygoteProcess:
         def overflow() -> None:
             nonlocal kill_sent
             out.output_overflow = True
-            if not kill_sent and out.started and out.exited is None:
+            if not kill_sent and out.exited is None:
                 kill_sent = True
                 with contextlib.suppress(ZygoteDied):
                     self._send({"op": "kill", "seq": seq})
@@ -404,40 +424,30 @@ class ZygoteProcess:
             ]
             del ours[:2]  # the drains own the read ends now
 
+            # Allow for the fork and the child's setup on top of the wall limit.
+            budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
             try:
-                await self._expect("starting", self.settings.control_timeout_s, seq)
-            except ZygoteDied as exc:
-                # The zygote says "starting" before it forks, and that message outlives it in the
-                # socket: reaching EOF without it proves the call never ran.
+                out.exited = await self._expect("exited", budget, seq)
+                out.started = not out.exited.get("refused")
+                self._ready = out.exited if out.exited.get("ready") else None
+            except (TimeoutError, ZygoteDied) as exc:
+                # Kill the jail first, so the started mark cannot change while we read it.
+                await self._kill()
+                out.started = _started_mark(setup_fd)
                 await self.stop()
-                raise ZygoteDied(f"zygote {self.name} died before the call: {exc}", started=False) from exc
-            except TimeoutError:
-                if not await self._kill_and_check_started(seq):
-                    await self.stop()
-                    raise ZygoteDied(f"zygote {self.name} did not take the call", started=False) from None
-                out.zygote_died = True
-                out.notes.append("the zygote stopped answering after it started the call; the jail was recycled")
-                await self.stop()
-            out.started = True
-            if out.output_overflow:
-                overflow()
-            if not out.zygote_died:
-                budget = limits.wall_s + self.settings.kill_grace_s
-                try:
-                    out.exited = await self._expect("exited", budget, seq)
-                    self._ready = out.exited if out.exited.get("ready") else None
-                except TimeoutError:
+                if not out.started:
+                    raise ZygoteDied(f"zygote {self.name} failed before the call started: {exc!r}",
+                                     started=False) from exc
+                if isinstance(exc, TimeoutError):
                     out.watchdog_fired = True
                     out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
-                    await self.stop()
-                except ZygoteDied:
+                else:
                     out.zygote_died = True
                     out.notes.append("the zygote died during the call; the jail was recycled")
-                    await self.stop()
-                except asyncio.CancelledError:
-                    out.cancelled = True
-                    await self.stop()
-                    raise
+            except asyncio.CancelledError:
+                out.cancelled = True
+                await self.stop()
+                raise
             out.wall_s = time.monotonic() - t0
             # Every writer is dead now, so the pipes reach EOF promptly.
             with contextlib.suppress(TimeoutError):
@@ -464,19 +474,6 @@ class ZygoteProcess:
             for fd in ours:
                 os.close(fd)
 
-    async def _kill_and_check_started(self, seq: int) -> bool:
-        """Kill the silent jail, then read what it had sent: did it say "starting" for `seq`?"""
-        await self._kill()
-        try:
-            async with asyncio.timeout(self.settings.control_timeout_s):
-                while (msg := await self.inbox.get()) is not None:
-                    if msg.get("op") == "starting" and msg.get("seq") == seq:
-                        return True
-        except TimeoutError:
-            return True  # cannot prove it never started
-        self.inbox.put_nowait(None)
-        return False
-
     @staticmethod
     def _read_report(fd: int) -> dict[str, Any] | None:
         try:
@@ -488,6 +485,11 @@ class ZygoteProcess:
             return report if isinstance(report, dict) else None
         except (OSError, ValueError, RecursionError):  # the program may have scribbled on it
             return None
+
+    @property
+    def ready_now(self) -> bool:
+        """The last call's "exited" message also said "ready": finish() will not wait."""
+        return self._ready is not None
 
     async def finish(self) -> str | None:
         """Wait for the zygote to wipe the call's traces, then verify from outside.
@@ -502,6 +504,15 @@ class ZygoteProcess:
                 ready = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
             except (ZygoteDied, TimeoutError) as exc:
                 return f"no ready signal after the call: {exc!r}"
+        return self._verify(ready)
+
+    def finish_now(self) -> str | None:
+        """finish() for when `ready_now`: no waiting, so no task to schedule."""
+        ready, self._ready = self._ready, None
+        assert ready is not None
+        return "the zygote is gone" if self.dead else self._verify(ready)
+
+    def _verify(self, ready: dict[str, Any]) -> str | None:
         if not ready.get("clean"):
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()
@@ -510,8 +521,8 @@ class ZygoteProcess:
         usage = self._workdir_usage()
         if usage is not None and usage != self.baseline_workdir:
             return f"the work dir holds {usage} (inodes, blocks) instead of {self.baseline_workdir}"
-        with contextlib.suppress(OSError):
-            if os.listxattr(f"/proc/{self.zygote_pid}/root{WORKDIR}"):
-                return "the work dir kept extended attributes"
+        if self._workdir_fd is not None:
+            with contextlib.suppress(OSError):
+                if os.listxattr(self._workdir_fd):
+                    return "the work dir kept extended attributes"
         return None
-
