@@ -59,6 +59,7 @@ def run(
             settings = settings.model_copy(update={"image": image})
         request = ExecRequest(code=code, stdin=stdin, profile=profile,
                               limits=Limits(wall_s=timeout, memory_mb=memory))
+        request.limits.resolve(settings.defaults, settings.caps)  # refuse before starting jails
     except ValueError as exc:
         raise _fail(str(exc)) from exc
 
