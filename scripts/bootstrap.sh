@@ -5,12 +5,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 
 find_python() {
-    local candidates=("${CODEENV_BOOTSTRAP_PYTHON:-}" python3.12 python3.13 python3)
+    # 3.12 first: the default sandbox image declares it, and images are built from this interpreter.
+    local candidates=("${CODEENV_BOOTSTRAP_PYTHON:-}" python3.12)
     if command -v pyenv >/dev/null 2>&1; then
-        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -rV); do
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12\.' | sort -rV); do
             candidates+=("$(pyenv root)/versions/$v/bin/python3")
         done
     fi
+    candidates+=(/usr/local/bin/python3.12 /usr/bin/python3.12 python3.13 python3)
     for py in "${candidates[@]}"; do
         [ -n "$py" ] || continue
         if "$py" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then

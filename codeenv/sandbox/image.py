@@ -191,11 +191,21 @@ def _interpreter_facts(python: str) -> dict[str, str]:
     return facts
 
 
+def _interpreter_candidates(version: str) -> list[str]:
+    """Where a CPython `version` (e.g. "3.12") may live: this process's, PATH, pyenv, the usual prefixes."""
+    found = [sys.executable, f"python{version}"]
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found += [str(p) for p in sorted((pyenv_root / "versions").glob(f"{version}.*/bin/python{version}"),
+                                     reverse=True)]
+    found += [f"/usr/local/bin/python{version}", f"/usr/bin/python{version}"]
+    return found
+
+
 def _pick_interpreter(spec: ImageSpec, configured: str | None) -> tuple[str, dict[str, str]]:
-    candidates = [configured] if configured else [sys.executable, f"python{spec.python}"]
+    candidates = [configured] if configured else _interpreter_candidates(spec.python)
     reasons = []
     for candidate in candidates:
-        if candidate is None:
+        if candidate is None or (os.sep in candidate and not os.path.exists(candidate)):
             continue
         try:
             facts = _interpreter_facts(candidate)
