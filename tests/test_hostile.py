@@ -209,3 +209,18 @@ async def test_one_call_uses_at_most_its_cpu_share(run: Runner) -> None:
     r = await run(code, slot=0, wall_s=10)
     assert r.status == "ok"
     assert r.cpu_s < 1.5 * 1.2 + 0.2  # one core's worth (cpus_per_call = 1), not four
+
+
+async def test_patched_exit_and_streams_do_not_confuse_the_runner(run: Runner, restarts: RestartCounter) -> None:
+    code = (
+        "import os, sys, atexit\n"
+        "print('bye', flush=True)\n"
+        "os._exit = lambda code: None\n"
+        "sys.exit = None\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "sys.stdout = None\n"
+    )
+    r = await run(code, slot=1, wall_s=5)
+    assert r.status == "ok" and r.stdout == "bye\n" and r.wall_s < 2, r
+    await run.healthy_after(1)
+    assert restarts.delta == 0

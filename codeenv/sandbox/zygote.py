@@ -31,6 +31,7 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
 import gc
 import json
 import os
+from posix import _exit as _hard_exit  # bound here: a program may replace os._exit
 import resource
 import select
 import signal
@@ -235,6 +236,8 @@ def _finalize(code):
         pass
     for stream in (sys.stdout, sys.stderr):
         try:
+            if stream is None or stream.closed:
+                continue  # as CPython: a stream set to None or closed is not flushed
             stream.flush()
         except BaseException:
             if stream is sys.stdout and code == 0:
@@ -324,7 +327,7 @@ def _child(fds, limits):
             os.pwrite(setup_fd, len(data).to_bytes(4, "little") + data, 0)
         except BaseException:
             pass
-        os._exit(SETUP_FAILED)
+        _hard_exit(SETUP_FAILED)
 
     status = 0
     try:
@@ -348,7 +351,7 @@ def _child(fds, limits):
                 sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         except BaseException:
             pass
-    os._exit(_finalize(status))
+    _hard_exit(_finalize(status))
 
 
 # --- the zygote --------------------------------------------------------------------------------
@@ -453,7 +456,10 @@ def _run(ctl, msg, fds, baseline):
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(fds, msg)
+        try:
+            _child(fds, msg)
+        finally:
+            _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
     for fd in fds:
         os.close(fd)
     deadline = t0 + msg["wall_s"]
