@@ -31,7 +31,6 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
 import gc
 import json
 import os
-from posix import _exit as _hard_exit  # bound here: a program may replace os._exit
 import resource
 import select
 import signal
@@ -39,6 +38,7 @@ import socket
 import stat
 import sys
 import time
+from posix import _exit as _hard_exit  # bound here: a program may replace os._exit
 
 CTL_FD = 3
 MAX_MSG = 65536
