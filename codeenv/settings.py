@@ -88,6 +88,7 @@ class SandboxSettings(BaseSettings):
         1.0, ge=0, allow_inf_nan=False,
         description="CPU cores one call (and its zygote) may use at once, so it cannot starve other slots; 0: no cap",
     )
+    prefork: bool = Field(True, description="keep a prepared child forked ahead of each call")
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
     max_code_bytes: int = Field(1 << 20, gt=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import pytest_asyncio
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
+from codeenv.sandbox.zygote_proc import ZygoteProcess
 
 SLOTS = 2
 
@@ -36,6 +38,19 @@ class Runner:
         assert result.status == "ok", result
         assert result.stdout == "still fine\n"
         return result
+
+
+#: A call that announces it is running by creating a file, then sleeps.
+RUNNING_THEN_SLEEP = "open('running', 'w').close()\nimport time\ntime.sleep(60)"
+
+
+async def wait_until_running(zygote: ZygoteProcess) -> None:
+    """Until the call started with RUNNING_THEN_SLEEP has created its file (seen from outside)."""
+    for _ in range(4000):
+        if zygote._workdir_usage() != zygote.baseline_workdir:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the call never started")
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, SandboxSettings, SlotPool
 from codeenv.errors import ImageError, PoolClosed
-from tests.conftest import Runner
+from tests.conftest import RUNNING_THEN_SLEEP, Runner, wait_until_running
 
 
 async def test_many_concurrent_callers_each_get_their_own_result(pool: SlotPool) -> None:
@@ -36,12 +36,8 @@ async def test_bad_requests_raise_invalid_request(pool: SlotPool) -> None:
 
 
 async def test_cancelled_call_frees_its_slot(run: Runner, pool: SlotPool) -> None:
-    task = asyncio.create_task(run("import time\ntime.sleep(30)", slot=0, wall_s=60))
-    zygote = pool.slots[0].zygotes["light"]
-    for _ in range(2000):
-        if zygote.cgroup.pids_current() > zygote.baseline_pids:
-            break
-        await asyncio.sleep(0.005)
+    task = asyncio.create_task(run(RUNNING_THEN_SLEEP, slot=0, wall_s=60))
+    await wait_until_running(pool.slots[0].zygotes["light"])
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

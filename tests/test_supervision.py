@@ -11,6 +11,7 @@ import pytest_asyncio
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox.zygote_proc import ZygoteProcess
+from tests.conftest import RUNNING_THEN_SLEEP, wait_until_running
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -29,15 +30,6 @@ async def call(pool: SlotPool, code: str, **limits: float) -> object:
     return await pool.run(ExecRequest(code=code, limits=limits, profile="light"), slot_index=0)
 
 
-async def wait_for_child(zygote: ZygoteProcess) -> None:
-    """Until the call's child exists (the cgroup counts more than nsjail + zygote)."""
-    for _ in range(2000):
-        if zygote.cgroup.pids_current() > zygote.baseline_pids:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the call never started")
-
-
 async def test_idle_zygote_killed_is_replaced(small_pool: SlotPool) -> None:
     before = small_pool.restarts
     old_pid = light(small_pool).zygote_pid
@@ -50,8 +42,8 @@ async def test_idle_zygote_killed_is_replaced(small_pool: SlotPool) -> None:
 
 async def test_busy_zygote_killed_reports_started(small_pool: SlotPool) -> None:
     before = small_pool.restarts
-    task = asyncio.create_task(call(small_pool, "import time\ntime.sleep(30)", wall_s=60))
-    await wait_for_child(light(small_pool))
+    task = asyncio.create_task(call(small_pool, RUNNING_THEN_SLEEP, wall_s=60))
+    await wait_until_running(light(small_pool))
     os.kill(light(small_pool).zygote_pid, signal.SIGKILL)
     r = await asyncio.wait_for(task, 20)
     assert r.status == "internal_error" and r.started  # type: ignore[attr-defined]
@@ -70,8 +62,8 @@ async def test_hung_idle_zygote_is_redispatched_unstarted(small_pool: SlotPool) 
 
 async def test_hung_busy_zygote_hits_the_outside_watchdog(small_pool: SlotPool) -> None:
     before = small_pool.restarts
-    task = asyncio.create_task(call(small_pool, "while True: pass", wall_s=1))
-    await wait_for_child(light(small_pool))
+    task = asyncio.create_task(call(small_pool, "open('running', 'w').close()\nwhile True: pass", wall_s=1))
+    await wait_until_running(light(small_pool))
     os.kill(light(small_pool).zygote_pid, signal.SIGSTOP)
     r = await asyncio.wait_for(task, 20)
     assert r.status == "timeout" and r.limit == "wall" and r.started  # type: ignore[attr-defined]

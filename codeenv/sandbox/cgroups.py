@@ -122,6 +122,22 @@ def _kill_procs(group: JailCgroup, timeout_s: float = 5.0) -> bool:
         time.sleep(0.005)
 
 
+def _rmdir_when_empty(path: Path, timeout_s: float = 2.0) -> None:
+    """Remove a cgroup; killed processes may take a moment to leave it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                logger.warning("cannot remove cgroup %s: %s", path, exc)
+                return
+        time.sleep(0.01)
+
+
 class V1Cgroup:
     """A jail's group in the v1 ``memory`` and ``pids`` hierarchies."""
 
@@ -192,14 +208,8 @@ class V1Cgroup:
         _kill_procs(self)
         self._files.close()
         for d in (self.memory, self.pids, self.cpu):
-            if d is None:
-                continue
-            try:
-                d.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("cannot remove cgroup %s: %s", d, exc)
+            if d is not None:
+                _rmdir_when_empty(d)
 
 
 class V2Cgroup:
@@ -277,12 +287,7 @@ class V2Cgroup:
         if self._peak_fd is not None:
             os.close(self._peak_fd)
             self._peak_fd = None
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("cannot remove cgroup %s: %s", self.path, exc)
+        _rmdir_when_empty(self.path)
 
 
 def _enable_v2_controllers(parent: Path, controllers: list[str]) -> None:

@@ -98,6 +98,7 @@ def jail_config(
         "warmup": profile.warmup,
         "workdir": WORKDIR,
         "cleanup_timeout_s": settings.cleanup_timeout_s,
+        "prefork": settings.prefork,
     }
     tmpfs = (f"size={settings.workdir_mb}m,nr_inodes={settings.workdir_inodes},mode=0700,"
              f"uid={SANDBOX_UID},gid={SANDBOX_UID}")

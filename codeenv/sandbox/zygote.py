@@ -267,17 +267,62 @@ def _unused_stdio():
 _stdio = None
 
 
-def _child(fds, limits):
+def _prepare():
+    """The part of a child's set-up that needs no call: a spare child does it before one arrives."""
+    import builtins
+    import types
+
+    os.setsid()
+    # SIGPIPE and SIGXFSZ are already ignored, as CPython does at start-up; see _deaf_to_signals.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    _set_dumpable(1)
+    os.chdir(_config["workdir"])
+    for name in ZYGOTE_ONLY_ENV:
+        os.environ.pop(name, None)
+    sys.stdin = sys.__stdin__ = _stdio[0]
+    sys.stdout = sys.__stdout__ = _stdio[1]
+    sys.stderr = sys.__stderr__ = _stdio[2]
+    for rng in _random_instances:
+        rng.seed()
+    if _numpy_states:
+        # 128 bits from the kernel; seed(None) would build a SeedSequence (10x slower).
+        words = sys.modules["numpy"].frombuffer(os.urandom(16), dtype="uint32")
+        for state in _numpy_states:
+            state.seed(words)
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    sys.argv = [FILENAME]
+    sys.path[0] = _config["workdir"]
+    return main
+
+
+def _spare(sock):
+    """A child forked ahead of demand: prepared, it waits for its call's fds (never returns)."""
+    try:
+        os.closerange(3, sock.fileno())
+        os.closerange(sock.fileno() + 1, 1 << 20)
+        main = _prepare()
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 8)
+        if not data or len(fds) != 6:
+            _hard_exit(0)
+        msg = json.loads(data)
+        sock.close()
+    except BaseException:
+        _hard_exit(SETUP_FAILED)
+    _child(fds, msg, main)
+
+
+def _child(fds, limits, main=None):
     """Runs in the forked child; never returns."""
     import mmap
 
     code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd = fds
     report = None
     try:
-        os.setsid()
-        # SIGPIPE and SIGXFSZ are already ignored, as CPython does at start-up; see _deaf_to_signals.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if main is None:
+            main = _prepare()
         report = mmap.mmap(report_fd, limits["report_bytes"])
         size = os.fstat(code_fd).st_size
         code = os.pread(code_fd, size, 0) if size else b""
@@ -292,31 +337,10 @@ def _child(fds, limits):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_bytes"],) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"],) * 2)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        _set_dumpable(1)
-        os.chdir(_config["workdir"])
-        for name in ZYGOTE_ONLY_ENV:
-            os.environ.pop(name, None)
-        sys.stdin = sys.__stdin__ = _stdio[0]
-        sys.stdout = sys.__stdout__ = _stdio[1]
-        sys.stderr = sys.__stderr__ = _stdio[2]
-        for rng in _random_instances:
-            rng.seed()
-        if _numpy_states:
-            # 128 bits from the kernel; seed(None) would build a SeedSequence (10x slower).
-            words = sys.modules["numpy"].frombuffer(os.urandom(16), dtype="uint32")
-            for state in _numpy_states:
-                state.seed(words)
-        import builtins
         import linecache
-        import types
 
         source = code.decode("utf-8", "replace")
         linecache.cache[FILENAME] = (len(source), None, source.splitlines(True), FILENAME)
-        main = types.ModuleType("__main__")
-        main.__dict__["__builtins__"] = builtins
-        sys.modules["__main__"] = main
-        sys.argv = [FILENAME]
-        sys.path[0] = _config["workdir"]
         del code_fd, stdin_fd, out_fd, err_fd, report_fd, fds
         os.close(setup_fd)
     except BaseException as exc:
@@ -441,7 +465,42 @@ def _clean(baseline, timeout_s):
     return os.waitstatus_to_exitcode(status) == 0 and _workdir_usage() == baseline
 
 
-def _run(ctl, msg, fds, baseline):
+_spare_child = None
+
+
+def _make_spare():
+    """Fork the next call's child now, while the worker is busy with the last result."""
+    global _spare_child
+    if not _config.get("prefork"):
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        try:
+            _spare(theirs)
+        finally:
+            _hard_exit(SETUP_FAILED)
+    theirs.close()
+    _spare_child = (pid, os.pidfd_open(pid), ours)
+
+
+def _take_spare():
+    """The waiting spare child, if it is still alive."""
+    global _spare_child
+    spare, _spare_child = _spare_child, None
+    if spare is None:
+        return None
+    pid, pidfd, sock = spare
+    if select.select([pidfd], [], [], 0)[0]:  # it exited: reap it, fork a fresh child instead
+        os.waitpid(pid, 0)
+        os.close(pidfd)
+        sock.close()
+        return None
+    return spare
+
+
+def _run(ctl, data, msg, fds, baseline):
     seq = msg["seq"]
     if len(fds) != 6:
         for fd in fds:
@@ -454,16 +513,25 @@ def _run(ctl, msg, fds, baseline):
     # zygote dies or hangs, to tell a call it can safely run elsewhere from one it must not rerun.
     os.pwrite(fds[5], b"\x01", msg["report_bytes"] - 1)
     t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
+    spare = _take_spare()
+    if spare is not None:
+        pid, pidfd, sock = spare
         try:
-            _child(fds, msg)
-        finally:
-            _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
+            socket.send_fds(sock, [data], fds)
+        except OSError:
+            pass  # it died after all: the wait below reports what it did (nothing)
+        sock.close()
+    else:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(fds, msg)
+            finally:
+                _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
+        pidfd = os.pidfd_open(pid)
     for fd in fds:
         os.close(fd)
     deadline = t0 + msg["wall_s"]
-    pidfd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(ctl, select.POLLIN)
@@ -505,10 +573,11 @@ def _run(ctl, msg, fds, baseline):
     if _untouched(baseline):  # the common case: one message says both "exited" and "ready"
         exited["ready"] = exited["clean"] = True
         _send(ctl, exited)
-        return
-    _send(ctl, exited)
-    clean = _clean(baseline, _config["cleanup_timeout_s"])
-    _send(ctl, {"op": "ready", "seq": seq, "clean": clean})
+    else:
+        _send(ctl, exited)
+        clean = _clean(baseline, _config["cleanup_timeout_s"])
+        _send(ctl, {"op": "ready", "seq": seq, "clean": clean})
+    _make_spare()
 
 
 def main():
@@ -527,7 +596,9 @@ def main():
     huge = _compact_heap()
     gc.freeze()
     baseline = _workdir_usage()
-    _send(ctl, {"op": "hello", "preload_s": time.monotonic() - t0, "preload_errors": errors,
+    _make_spare()
+    _send(ctl, {"op": "hello", "spare": _spare_child is not None,
+                "preload_s": time.monotonic() - t0, "preload_errors": errors,
                 "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge})
     while True:
         try:
@@ -537,7 +608,7 @@ def main():
             msg = json.loads(data)
             op = msg.get("op")
             if op == "run":
-                _run(ctl, msg, fds, baseline)
+                _run(ctl, data, msg, fds, baseline)
             else:
                 for fd in fds:
                     os.close(fd)

@@ -71,6 +71,23 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
+def _jail_init_pid(nsjail_pid: int) -> int:
+    """Host pid of the jail's PID 1 (the zygote): nsjail's child whose innermost pid is 1."""
+    try:
+        children = Path(f"/proc/{nsjail_pid}/task/{nsjail_pid}/children").read_text().split()
+    except OSError:
+        return 0
+    for child in children:
+        try:
+            status = Path(f"/proc/{child}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == "1":
+                return int(child)
+    return 0
+
+
 def _started_mark(setup_fd: int) -> bool:
     """Whether the zygote marked the call as started (it does so just before it forks)."""
     try:
@@ -205,6 +222,9 @@ class ZygoteProcess:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=(child.fileno(),), start_new_session=True,
             )
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self.ctl = parent
@@ -225,8 +245,10 @@ class ZygoteProcess:
         # The per-call memory limit sits on top of what the idle zygote uses now; measured once, so
         # page cache a call leaves charged here cannot raise the next call's allowance.
         self.baseline_memory = self.cgroup.memory_usage()
-        procs = [p for p in self.cgroup.procs() if p != self.proc.pid]
-        self.zygote_pid = procs[0] if len(procs) == 1 else 0
+        self.zygote_pid = _jail_init_pid(self.proc.pid)
+        if not self.zygote_pid:
+            await self.stop()
+            raise SandboxError(f"zygote {self.name}: cannot find the jail's PID 1 under nsjail {self.proc.pid}")
         if self._workdir_fd is not None:
             os.close(self._workdir_fd)
             self._workdir_fd = None
@@ -516,7 +538,9 @@ class ZygoteProcess:
         if not ready.get("clean"):
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()
-        if pids != self.baseline_pids:
+        # The baseline counts the zygote's spare child, which it forks again right after a call.
+        low = self.baseline_pids - (1 if self.hello.get("spare") else 0)
+        if not low <= pids <= self.baseline_pids:
             return f"{pids - self.baseline_pids} process(es) outlived the call"
         usage = self._workdir_usage()
         if usage is not None and usage != self.baseline_workdir:
