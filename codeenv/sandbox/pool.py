@@ -97,6 +97,11 @@ class _SlotBroker:
     def __len__(self) -> int:
         return len(self._free)
 
+    @property
+    def queued(self) -> bool:
+        """Whether calls are waiting for a slot (cancelled waiters may linger: an estimate, O(1))."""
+        return bool(self._waiters) or any(self._pinned.values())
+
     async def acquire(self, index: int | None = None) -> Slot:
         if self.closed:
             raise PoolClosed("the slot pool is shutting down")
@@ -264,7 +269,9 @@ class SlotPool:
                 async with zygote.lock:
                     if zygote.dead:
                         await slot.recycle(zygote, "its zygote had died")
-                    outcome = await zygote.run(code, stdin, limits)
+                    # Pre-fork the next child only while nobody queues: at saturation the extra
+                    # hand-over costs throughput, and queued calls would not see the latency win.
+                    outcome = await zygote.run(code, stdin, limits, prefork_next=not self._free.queued)
             except ZygoteDied as exc:
                 # Provably never started: safe to hand to another slot.
                 logger.warning("%s: call not started (%s); attempt %d", slot.worker, exc, attempt)

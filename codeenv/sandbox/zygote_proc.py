@@ -388,7 +388,7 @@ class ZygoteProcess:
         self.cgroup.reset_peak()
         return self.cgroup.memory_usage()
 
-    async def run(self, code: bytes, stdin: bytes, limits: LimitValues) -> Outcome:
+    async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True) -> Outcome:
         """Run one call. Raises ZygoteDied(started=False) only if it provably never started."""
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
@@ -433,6 +433,7 @@ class ZygoteProcess:
                     "op": "run", "seq": seq, "wall_s": limits.wall_s,
                     "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
                     "nofile": limits.open_files, "report_bytes": REPORT_BYTES,
+                    "spare": prefork_next and self.settings.prefork,
                 }
                 t0 = time.monotonic()
                 self._send(msg, theirs)
