@@ -89,3 +89,16 @@ def test_unknown_image_is_a_clear_error(state_dir: Path) -> None:
 
     with pytest.raises(ImageError, match="no image declaration named 'nope'"):
         ensure_image(SandboxSettings(image="nope", state_dir=state_dir))
+
+
+async def test_without_preforking(state_dir: Path) -> None:
+    """The fork-on-demand path (also taken at saturation) keeps the same behaviour."""
+    settings = SandboxSettings(slots=1, prefork=False, uid_base=SandboxSettings().uid_base + 300)
+    async with SlotPool(settings) as p:
+        r = await p.run(ExecRequest(code="import sys\nprint(sys.stdin.read()[::-1])", stdin="abc"))
+        assert r.status == "ok" and r.stdout == "cba\n"
+        r = await p.run(ExecRequest(code="1/0"))
+        assert r.error is not None and r.error.line == 1
+        r = await p.run(ExecRequest(code="import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))"))
+        assert len(eval(r.stdout)) == 2  # the zygote and this call: no spare waiting
+        assert p.restarts == 0
