@@ -151,7 +151,7 @@ def test_cgroup_v2_layout(tmp_path: Path) -> None:
     (tmp_path / "cgroup.subtree_control").write_text("")
     tree = CgroupTree.create(root=tmp_path, tag="codeenv-test")
     assert tree.version == 2
-    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"  # one write per controller
     base = tmp_path / "codeenv-test"
     (tmp_path / "cgroup.subtree_control").write_text("memory pids cpu")
     tree = CgroupTree.create(root=tmp_path, tag="codeenv-test")

@@ -159,8 +159,11 @@ class V1Cgroup:
     def set_cpu_limit(self, cpus: float) -> None:
         if self.cpu is None:
             return
-        self._files.write(self.cpu / "cpu.cfs_period_us", "100000")
-        self._files.write(self.cpu / "cpu.cfs_quota_us", str(int(cpus * 100_000)) if cpus > 0 else "-1")
+        try:
+            self._files.write(self.cpu / "cpu.cfs_period_us", "100000")
+            self._files.write(self.cpu / "cpu.cfs_quota_us", str(int(cpus * 100_000)) if cpus > 0 else "-1")
+        except OSError as exc:  # v1 refuses a quota above the parent's (a CPU-limited container)
+            logger.warning("no CPU cap of %g for %s (%s): the parent cgroup's own cap applies", cpus, self.name, exc)
 
     def kill_all(self) -> bool:
         return _kill_procs(self)
@@ -232,7 +235,10 @@ class V2Cgroup:
     def set_cpu_limit(self, cpus: float) -> None:
         if not (self.path / "cpu.max").exists():
             return
-        self._files.write(self.path / "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
+        try:
+            self._files.write(self.path / "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
+        except OSError as exc:
+            logger.warning("no CPU cap of %g for %s (%s)", cpus, self.name, exc)
 
     def kill_all(self) -> bool:
         # cgroup.kill (5.14+) kills every process at once, forks in flight included.
@@ -290,32 +296,39 @@ class V2Cgroup:
         _rmdir_when_empty(self.path)
 
 
-def _enable_v2_controllers(parent: Path, controllers: list[str]) -> None:
-    """Make `controllers` available to groups below `parent` (cgroup v2).
+def _enable_v2_controllers(parent: Path, required: list[str], optional: list[str]) -> None:
+    """Make controllers available to groups below `parent` (cgroup v2).
 
     v2 forbids a group with processes from handing controllers to its children, so when the
-    worker itself sits in `parent` it first moves into a leaf of its own.
+    worker itself sits in `parent` it first moves into a leaf of its own (``codeenv-worker-<pid>``).
+    An optional controller (cpu) that cannot be enabled is left out with a warning.
     """
     control = parent / "cgroup.subtree_control"
-    if set(controllers) <= set(control.read_text().split()):
+    wanted = [c for c in required + optional if c not in control.read_text().split()]
+    if not wanted:
         return
-    request = " ".join(f"+{c}" for c in controllers)
-    try:
-        control.write_text(request)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise SandboxError(f"cannot enable {request} in {control}: {exc}") from exc
-    leaf = parent / f"codeenv-worker-{os.getpid()}"
-    try:
-        leaf.mkdir(exist_ok=True)
-        (leaf / "cgroup.procs").write_text(str(os.getpid()))
-        control.write_text(request)
-    except OSError as exc:
-        raise SandboxError(
-            f"cannot enable {request} in {control} ({exc}): other processes share the worker's cgroup; "
-            "give the worker a cgroup of its own"
-        ) from exc
+    moved = False
+    for controller in wanted:
+        try:
+            try:
+                control.write_text(f"+{controller}")
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or moved:
+                    raise
+                leaf = parent / f"codeenv-worker-{os.getpid()}"
+                leaf.mkdir(exist_ok=True)
+                (leaf / "cgroup.procs").write_text(str(os.getpid()))
+                moved = True
+                control.write_text(f"+{controller}")
+        except OSError as exc:
+            if controller in optional:
+                logger.warning("cgroup v2: cannot enable %s in %s (%s); calls run without it", controller,
+                               control, exc)
+                continue
+            raise SandboxError(
+                f"cannot enable +{controller} in {control} ({exc}); if other processes share the worker's "
+                "cgroup, give the worker a cgroup of its own"
+            ) from exc
 
 
 class CgroupTree:
@@ -340,6 +353,8 @@ class CgroupTree:
             version = 1
         elif (root / "cgroup.controllers").exists():
             parent = root / _own_cgroup("").lstrip("/")
+            if parent.name.startswith("codeenv-worker-"):
+                parent = parent.parent  # a pool before this one moved the worker into its leaf
             available = set((parent / "cgroup.controllers").read_text().split())
             missing = {"memory", "pids"} - available
             if missing:
@@ -348,8 +363,7 @@ class CgroupTree:
                     "controller(s); run the worker where it owns a delegated cgroup subtree "
                     "(systemd: Delegate=yes; containers: a private cgroup namespace)"
                 )
-            wanted = ["memory", "pids"] + (["cpu"] if "cpu" in available else [])
-            _enable_v2_controllers(parent, wanted)
+            _enable_v2_controllers(parent, ["memory", "pids"], ["cpu"] if "cpu" in available else [])
             bases = {"unified": parent / tag}
             version = 2
         else:
@@ -373,7 +387,8 @@ class CgroupTree:
         """Remove subtrees left by workers that died without cleaning up."""
         for base in bases.values():
             for sibling in base.parent.glob("codeenv-*"):
-                pid = sibling.name.removeprefix("codeenv-").split("-")[0]
+                parts = sibling.name.split("-")  # codeenv-<pid>-<n> or codeenv-worker-<pid>
+                pid = parts[2] if len(parts) > 2 and parts[1] == "worker" else parts[1]
                 if sibling == base or not pid.isdigit() or Path(f"/proc/{pid}").exists():
                     continue
                 for group in [g for g in sibling.iterdir() if g.is_dir()] + [sibling]:

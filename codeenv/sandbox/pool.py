@@ -306,7 +306,10 @@ class SlotPool:
         """Return the slot to the pool once the call's traces are gone (in the background)."""
         if problem is None and zygote.ready_now and not zygote.lock.locked():
             # The common case: the call left nothing to wipe and the checks need no waiting.
-            problem = zygote.finish_now()
+            try:
+                problem = zygote.finish_now()
+            except Exception as exc:  # e.g. a cgroup file that cannot be read: recycle
+                problem = f"checking the jail failed: {exc!r}"
             if problem is None:
                 zygote.busy = False
                 if self._open:

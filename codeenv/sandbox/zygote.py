@@ -300,18 +300,31 @@ def _prepare():
 
 def _spare(sock):
     """A child forked ahead of demand: prepared, it waits for its call's fds (never returns)."""
+    fds = []
     try:
         os.closerange(3, sock.fileno())
         os.closerange(sock.fileno() + 1, 1 << 20)
         main = _prepare()
         data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 8)
         if not data or len(fds) != 6:
-            _hard_exit(0)
+            _hard_exit(SETUP_FAILED)
         msg = json.loads(data)
         sock.close()
-    except BaseException:
+    except BaseException as exc:
+        if len(fds) == 6:
+            _report_setup_error(fds[5], exc)
         _hard_exit(SETUP_FAILED)
     _child(fds, msg, main)
+
+
+def _report_setup_error(setup_fd, exc):
+    # The setup memfd is closed before user code runs, so only a real setup failure (never the
+    # program) can report one: the worker turns it into internal_error.
+    try:
+        data = json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"[:2000]}).encode()
+        os.pwrite(setup_fd, len(data).to_bytes(4, "little") + data, 0)
+    except BaseException:
+        pass
 
 
 def _child(fds, limits, main=None):
@@ -344,13 +357,7 @@ def _child(fds, limits, main=None):
         del code_fd, stdin_fd, out_fd, err_fd, report_fd, fds
         os.close(setup_fd)
     except BaseException as exc:
-        # The setup memfd is closed before user code runs, so only a real setup failure (never
-        # the program) can report one: the worker turns it into internal_error.
-        try:
-            data = json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"[:2000]}).encode()
-            os.pwrite(setup_fd, len(data).to_bytes(4, "little") + data, 0)
-        except BaseException:
-            pass
+        _report_setup_error(setup_fd, exc)
         _hard_exit(SETUP_FAILED)
 
     status = 0
@@ -510,7 +517,7 @@ def _run(ctl, data, msg, fds, baseline):
         for fd in fds:
             os.close(fd)
         _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 6 fds, got {len(fds)}"})
-        _send(ctl, {"op": "ready", "seq": seq, "clean": True})
+        _send(ctl, {"op": "ready", "seq": seq, "clean": True, "spare": _spare_child is not None})
         return
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     # Before the fork, the mark that the call may have started: the worker reads it only if this
@@ -522,10 +529,13 @@ def _run(ctl, data, msg, fds, baseline):
         pid, pidfd, sock = spare
         try:
             socket.send_fds(sock, [data], fds)
-        except OSError:
-            pass  # it died after all: the wait below reports what it did (nothing)
+        except OSError:  # it died after all, before it got the call: fork a fresh child
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(pidfd)
+            spare = None
         sock.close()
-    else:
+    if spare is None:
         pid = os.fork()
         if pid == 0:
             try:
@@ -574,15 +584,19 @@ def _run(ctl, data, msg, fds, baseline):
         "op": "exited", "seq": seq, "wait_status": status, "wall_s": wall, "cpu_s": cpu,
         "maxrss_kb": usage.ru_maxrss, "timed_out": timed_out, "killed": killed,
     }
+    # The spare (if any) is forked before "ready", which says so: the worker then knows exactly
+    # how many processes the jail must hold.
     if _untouched(baseline):  # the common case: one message says both "exited" and "ready"
-        exited["ready"] = exited["clean"] = True
+        if msg.get("spare"):
+            _make_spare()
+        exited.update(ready=True, clean=True, spare=_spare_child is not None)
         _send(ctl, exited)
     else:
         _send(ctl, exited)
         clean = _clean(baseline, _config["cleanup_timeout_s"])
-        _send(ctl, {"op": "ready", "seq": seq, "clean": clean})
-    if msg.get("spare"):
-        _make_spare()
+        if clean and msg.get("spare"):
+            _make_spare()
+        _send(ctl, {"op": "ready", "seq": seq, "clean": clean, "spare": _spare_child is not None})
 
 
 def main():

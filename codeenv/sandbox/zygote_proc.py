@@ -32,6 +32,8 @@ from codeenv.settings import LimitValues, SandboxSettings
 logger = logging.getLogger(__name__)
 
 MAX_MSG = 65536
+#: Processes of an idle jail: nsjail and the zygote.
+JAIL_PIDS = 2
 #: argv: procs files to join, "--", then the command to exec.
 ATTACH_AND_EXEC = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
 
@@ -241,7 +243,16 @@ class ZygoteProcess:
         if hello.get("preload_errors"):
             logger.warning("zygote %s could not preload: %s", self.name, hello["preload_errors"])
         self.hello = hello
-        self.baseline_pids = self.cgroup.pids_current()
+        # nsjail and the zygote; a spare child, when there is one, comes on top. The count is known,
+        # not measured: processes of the jail this one replaces may still be on their way out.
+        self.baseline_pids = JAIL_PIDS
+        expected = JAIL_PIDS + (1 if hello.get("spare") else 0)
+        deadline = time.monotonic() + self.settings.control_timeout_s
+        while (pids := self.cgroup.pids_current()) != expected:
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise SandboxError(f"zygote {self.name}: its cgroup holds {pids} processes, expected {expected}")
+            await asyncio.sleep(0.01)
         # The per-call memory limit sits on top of what the idle zygote uses now; measured once, so
         # page cache a call leaves charged here cannot raise the next call's allowance.
         self.baseline_memory = self.cgroup.memory_usage()
@@ -539,10 +550,9 @@ class ZygoteProcess:
         if not ready.get("clean"):
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()
-        # The baseline counts the zygote's spare child, which it forks again right after a call.
-        low = self.baseline_pids - (1 if self.hello.get("spare") else 0)
-        if not low <= pids <= self.baseline_pids:
-            return f"{pids - self.baseline_pids} process(es) outlived the call"
+        expected = self.baseline_pids + (1 if ready.get("spare") else 0)
+        if pids != expected:
+            return f"{pids - expected} process(es) outlived the call"
         usage = self._workdir_usage()
         if usage is not None and usage != self.baseline_workdir:
             return f"the work dir holds {usage} (inodes, blocks) instead of {self.baseline_workdir}"
