@@ -15,7 +15,7 @@ KINDS = {
     "memory": ("x = bytearray(600 * 1024**2)", {"memory_mb": 200}, "memory", ""),
     "flood": ("import sys\nwhile True: sys.stdout.write('x' * 4096)", {}, "output_limit", None),
     "files": ("import os\nfor i in range(500): open(f'f{i}', 'w').write('x')\nprint('ok')", {}, "ok", "ok\n"),
-    "fork": ("import os\nfor _ in range(5):\n    if os.fork() == 0:\n        import time; time.sleep(5)\nprint('forked')",
+    "fork": ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(5)\nprint('forked')",
              {}, "ok", "forked\n"),
     "exit": ("import sys\nsys.exit(4)", {}, "error", ""),
 }
