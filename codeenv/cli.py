@@ -2,6 +2,7 @@
 
 Usage::
 
+    codeenv serve [--host H] [--port P] [--slots N] [--token T]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
 """
@@ -74,6 +75,39 @@ def run(
         print(asyncio.run(go()))
     except CodeenvError as exc:
         raise _fail(str(exc)) from exc
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to bind (anything but loopback needs --token)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+    slots: Annotated[int | None, typer.Option(help="concurrent calls (default: one per core)")] = None,
+    token: Annotated[str | None, typer.Option(help="bearer token required on every endpoint",
+                                              envvar="CODEENV_TOKEN")] = None,
+    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without a token")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis)."""
+    import uvicorn
+
+    from codeenv.api import create_app
+    from codeenv.settings import GatewaySettings
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = GatewaySettings(host=host, port=port, token=token, insecure=insecure)
+        if slots is not None:
+            settings = settings.model_copy(update={"slots": max(1, slots)})
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    try:
+        from codeenv.sandbox.image import ensure_image
+
+        ensure_image(settings, progress=_progress)  # build before binding, with progress
+    except CodeenvError as exc:
+        raise _fail(str(exc)) from exc
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
 
 
 @image_app.command("build")

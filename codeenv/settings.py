@@ -115,3 +115,27 @@ class SandboxSettings(BaseSettings):
     @property
     def runtime_dir(self) -> Path:
         return self.state_dir / "runtime"
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class GatewaySettings(SandboxSettings):
+    """Settings of `codeenv serve`: the HTTP gateway (with its embedded worker pool)."""
+
+    host: str = Field("127.0.0.1", description="address to bind; anything but loopback needs a token")
+    port: int = Field(8000, ge=0, le=65535)
+    token: str | None = Field(None, min_length=16, description="bearer token every endpoint requires")
+    insecure: bool = Field(False, description="allow a non-loopback bind without a token")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
+    max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
+    max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
+
+    @model_validator(mode="after")
+    def _safe_bind(self) -> Self:
+        if self.host not in LOOPBACK and self.token is None and not self.insecure:
+            raise ValueError(
+                f"binding {self.host} exposes code execution to the network: set a token "
+                "(--token / CODEENV_TOKEN) or pass --insecure"
+            )
+        return self

@@ -217,6 +217,10 @@ class SlotPool:
         self.slots = []
 
     @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
     def restarts(self) -> int:
         return sum(slot.restarts for slot in self.slots)
 

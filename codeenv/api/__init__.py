@@ -1,0 +1,5 @@
+"""The HTTP gateway (FastAPI)."""
+
+from codeenv.api.app import create_app
+
+__all__ = ["create_app"]

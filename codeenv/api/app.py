@@ -1,0 +1,257 @@
+"""The HTTP gateway: the native API over a call queue (embedded by default).
+
+Usage::
+
+    app = create_app(GatewaySettings())          # serve with uvicorn; OpenAPI at /docs
+
+Bodies are read once, size-capped (413) and parsed here (400 for malformed or absurdly nested
+JSON), so bad input always gets a 4xx that says what to fix, never a 5xx.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from codeenv.models import ExecRequest, ExecResult, Limits, Status
+from codeenv.queue.base import CallQueue
+from codeenv.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+JSON_BODY = "codeenv.json"
+#: JSON nested deeper than this is refused before it reaches a parser that recurses.
+MAX_JSON_DEPTH = 64
+RETRY_AFTER_S = "1"
+
+
+class BatchRequest(BaseModel):
+    """A batch of calls; each item has the shape of ExecRequest and is checked on its own."""
+
+    requests: list[ExecRequest]
+
+
+class BatchResponse(BaseModel):
+    """One result per request, in request order."""
+
+    results: list[ExecResult]
+
+
+class ApiError(Exception):
+    def __init__(self, status_code: int, detail: Any, headers: dict[str, str] | None = None) -> None:
+        self.status_code = status_code
+        self.detail = detail
+        self.headers = headers
+
+
+def _json_depth_ok(body: bytes) -> bool:
+    """Bounded nesting, checked with a scan that does not recurse (strings skipped)."""
+    depth = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+class Metrics:
+    """Prometheus metrics of one gateway process (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=self.registry)
+        self.queue_s = Histogram("codeenv_queue_seconds", "Time a call waited for a slot", registry=self.registry,
+                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60))
+        self.run_s = Histogram("codeenv_run_seconds", "Wall time of a call's program", registry=self.registry,
+                               buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
+                               registry=self.registry)
+
+    def observe(self, results: list[ExecResult]) -> None:
+        for r in results:
+            self.calls.labels(r.status.value).inc()
+            if r.started:
+                self.queue_s.observe(r.queue_s)
+                self.run_s.observe(r.wall_s)
+
+
+def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> FastAPI:
+    """The gateway. Without `queue`, it runs an embedded slot pool for its lifetime."""
+    if queue is None:
+        from codeenv.queue.memory import EmbeddedQueue
+        from codeenv.sandbox.pool import SlotPool
+
+        queue = EmbeddedQueue(SlotPool(settings), settings.max_queued)
+    calls: CallQueue = queue
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await calls.start()
+        try:
+            yield
+        finally:
+            await calls.close()
+
+    app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
+                  description="Run untrusted Python in jails, with hard limits and structured results.")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        try:
+            if settings.token is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
+                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+            if request.method == "POST":
+                await _read_body(request, settings.max_body_bytes)
+        except ApiError as exc:
+            return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+
+    async def answer(requests: list[ExecRequest]) -> list[ExecResult]:
+        metrics.in_flight.inc(len(requests))
+        try:
+            results = await calls.submit(requests)
+        finally:
+            metrics.in_flight.dec(len(requests))
+        metrics.observe(results)
+        return results
+
+    @app.post("/v1/execute", response_model=ExecResult, openapi_extra=_body_schema("ExecRequest"),
+              responses={422: {"description": "the request cannot be run as sent"},
+                         429: {"description": "overloaded: retry after Retry-After seconds"}})
+    async def execute(request: Request) -> Response:
+        """Run one program and return its structured result."""
+        try:
+            call = ExecRequest.model_validate(request.scope[JSON_BODY])
+        except ValidationError as exc:
+            raise ApiError(422, _errors(exc)) from None
+        [result] = await answer([call])
+        if result.status == Status.rejected:
+            raise ApiError(422, result.message)
+        if result.status == Status.overloaded:
+            return Response(result.model_dump_json(), 429, {"Retry-After": RETRY_AFTER_S},
+                            media_type="application/json")
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=_body_schema("BatchRequest"))
+    async def execute_batch(request: Request) -> Response:
+        """Run a batch; results come in request order. An invalid item is answered `rejected`."""
+        body = request.scope[JSON_BODY]
+        items = body.get("requests") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise ApiError(422, "the body must be an object with a list under 'requests'")
+        if len(items) > settings.max_batch:
+            raise ApiError(422, f"a batch holds at most {settings.max_batch} calls; this one has {len(items)}")
+        valid: list[ExecRequest] = []
+        slots: list[ExecResult | None] = []
+        for item in items:
+            try:
+                valid.append(ExecRequest.model_validate(item))
+                slots.append(None)
+            except ValidationError as exc:
+                call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+                slots.append(ExecResult(id=call_id, status=Status.rejected,
+                                        message=json.dumps(_errors(exc))))
+        ran = iter(await answer(valid)) if valid else iter(())
+        results = [slot if slot is not None else next(ran) for slot in slots]
+        payload = '{"results":[' + ",".join(r.model_dump_json() for r in results) + "]}"
+        if results and all(r.status == Status.overloaded for r in results):
+            return Response(payload, 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
+        return Response(payload, media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """The process answers (cheap, even at saturation)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """The pool started with at least one healthy slot."""
+        if calls.ready():
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False}, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ExecRequest, Limits, BatchRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.state.metrics = metrics
+    app.state.queue = calls
+    return app
+
+
+def _body_schema(model: str) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
+def _errors(exc: ValidationError) -> list[dict[str, Any]]:
+    return [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False, include_context=False, include_input=False)]
+
+
+async def _read_body(request: Request, max_bytes: int) -> None:
+    """Read, cap and parse a JSON body once; leave the parsed value in the request's scope."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body is {declared} bytes; the limit is {max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    started = time.monotonic()
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not _json_depth_ok(body):
+        raise ApiError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        request.scope[JSON_BODY] = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    logger.debug("read %d bytes in %.1f ms", size, 1000 * (time.monotonic() - started))

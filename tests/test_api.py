@@ -1,0 +1,158 @@
+"""The HTTP gateway over the embedded queue: in-process (ASGI) and as a real uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from codeenv import SlotPool
+from codeenv.api import create_app
+from codeenv.queue.memory import EmbeddedQueue
+from codeenv.settings import GatewaySettings
+
+
+class SharedPoolQueue(EmbeddedQueue):
+    """The session's pool, which the app must neither start nor close."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest_asyncio.fixture
+async def client(pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
+    settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
+    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        yield c
+
+
+async def test_execute(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/execute", json={"code": "import sys\nprint(sys.stdin.read() * 2)", "stdin": "ab",
+                                               "id": "c1", "limits": {"wall_s": 5}})
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["status"], body["stdout"], body["id"], body["started"]) == ("ok", "abab\n", "c1", True)
+
+
+async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.AsyncClient) -> None:
+    items = [{"code": f"print({i})", "id": str(i)} for i in range(20)]
+    items[3] = {"code": "print(3)", "limits": {"wall_s": -1}, "id": "bad-limit"}
+    items[7] = {"code": "print(7)", "limits": {"wall_s": 9999}, "id": "over-cap"}
+    items[9] = {"cmd": "rm -rf /"}
+    items[11] = {"code": "print('\ud800')", "id": "surrogate"}
+    # ensure_ascii keeps the lone surrogate as the escape \ud800 a client would send
+    r = await client.post("/v1/execute/batch", content=json.dumps({"requests": items}).encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    results = r.json()["results"]
+    assert len(results) == 20
+    for i, res in enumerate(results):
+        if i in (3, 7, 9, 11):
+            assert res["status"] == "rejected" and not res["started"] and res["message"], res
+        else:
+            assert res["status"] == "ok" and res["stdout"] == f"{i}\n" and res["id"] == str(i)
+    assert "cannot exceed the configured limit" in results[7]["message"]
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper"),
+    (b'{"code": 1}', 422, "string"),
+    (b'{"code": "1", "limits": {"wall_s": "NaN"}}', 422, "finite"),
+    (b'{"code": "1", "limits": {"memory_mb": 100000000}}', 422, "cannot exceed the configured limit"),
+    (b'{"code": "print(\\"\\ud800\\")"}', 422, "surrogates"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+])
+async def test_bad_input_gets_a_clear_4xx(client: httpx.AsyncClient, body: bytes, status: int,
+                                          fragment: str) -> None:
+    r = await client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert fragment in json.dumps(r.json()["detail"])
+
+
+async def test_body_and_batch_caps(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/execute", json={"code": "#" * (2 << 20)})
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+    r = await client.post("/v1/execute/batch", json={"requests": [{"code": "1"}] * 65})
+    assert r.status_code == 422 and "at most 64" in r.json()["detail"]
+
+
+async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    assert (await client.get("/readyz")).status_code == 200
+    await client.post("/v1/execute", json={"code": "1/0"})
+    text = (await client.get("/metrics")).text
+    assert 'codeenv_calls_total{status="error"}' in text and "codeenv_run_seconds_bucket" in text
+    schema = (await client.get("/openapi.json")).json()
+    assert {"ExecRequest", "ExecResult", "Limits", "BatchRequest"} <= set(schema["components"]["schemas"])
+
+
+async def test_overload_is_an_explicit_answer(pool: SlotPool) -> None:
+    settings = GatewaySettings(slots=2, max_queued=1)
+    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        r = await c.post("/v1/execute/batch", json={"requests": [{"code": "import time; time.sleep(0.2)"}] * 8})
+        statuses = [x["status"] for x in r.json()["results"]]
+        assert statuses.count("ok") == 3 and statuses.count("overloaded") == 5  # 2 slots + 1 queued
+        assert all(not x["started"] for x in r.json()["results"] if x["status"] == "overloaded")
+
+
+def test_non_loopback_bind_needs_a_token() -> None:
+    with pytest.raises(ValueError, match="set a token"):
+        GatewaySettings(host="0.0.0.0")
+    assert GatewaySettings(host="0.0.0.0", token="t" * 32).token
+    assert GatewaySettings(host="0.0.0.0", insecure=True).insecure
+
+
+async def test_token_is_checked_on_every_endpoint(pool: SlotPool) -> None:
+    settings = GatewaySettings(slots=2, token="s3cret-token-0123456789")
+    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        for method, path in (("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/v1/execute")):
+            assert (await c.request(method, path, json={"code": "1"})).status_code == 401
+        ok = await c.post("/v1/execute", json={"code": "print(1)"},
+                          headers={"authorization": "Bearer s3cret-token-0123456789"})
+        assert ok.status_code == 200 and ok.json()["stdout"] == "1\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_codeenv_serve_over_real_http() -> None:
+    import sys
+
+    from codeenv import SandboxSettings
+
+    port = _free_port()
+    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 500), "PATH": "/usr/bin:/bin"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "1", "--log-level", "warning",
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            for _ in range(600):  # until it answers (bounded: 60 s)
+                try:
+                    if (await c.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            r = await c.post("/v1/execute", json={"code": "import sympy\nprint(sympy.sqrt(8))"})
+            assert r.status_code == 200 and r.json()["stdout"] == "2*sqrt(2)\n"
+    finally:
+        proc.terminate()
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    # A graceful stop: the pool closed its jails (uvicorn then re-raises SIGTERM as its exit status).
+    assert proc.returncode in (0, -15) and "slot pool closed" in err.decode(), err.decode()[-2000:]
