@@ -156,3 +156,19 @@ async def test_codeenv_serve_over_real_http() -> None:
         _, err = await asyncio.wait_for(proc.communicate(), 30)
     # A graceful stop: the pool closed its jails (uvicorn then re-raises SIGTERM as its exit status).
     assert proc.returncode in (0, -15) and "slot pool closed" in err.decode(), err.decode()[-2000:]
+
+
+async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncClient) -> None:
+    code = "import random, time\ntime.sleep(0.3)\nprint(random.random())"
+    first, again = await asyncio.gather(
+        client.post("/v1/execute", json={"code": code, "id": "retry-me"}),
+        client.post("/v1/execute", json={"code": code, "id": "retry-me"}),
+    )
+    assert first.json()["stdout"] == again.json()["stdout"]  # one run, two answers
+    later = await client.post("/v1/execute", json={"code": code, "id": "retry-me"})
+    assert later.json()["stdout"] == first.json()["stdout"]
+    by_id = await client.get("/v1/results/retry-me")
+    assert by_id.status_code == 200 and by_id.json()["stdout"] == first.json()["stdout"]
+    other = await client.post("/v1/execute", json={"code": "print(2)", "id": "retry-me"})
+    assert other.status_code == 422 and "different call" in other.json()["detail"]
+    assert (await client.get("/v1/results/never-sent")).status_code == 404

@@ -190,6 +190,17 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             return Response(payload, 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
         return Response(payload, media_type="application/json")
 
+    @app.get("/v1/results/{call_id}", response_model=ExecResult,
+             responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
+    async def result_by_id(call_id: str) -> Response:
+        """The result of a call by the client's id, kept for a while after it ends."""
+        result = calls.result(call_id)
+        if result is not None:
+            return Response(result.model_dump_json(), media_type="application/json")
+        if calls.known(call_id):
+            return JSONResponse({"id": call_id, "detail": "the call is still running"}, 202)
+        raise ApiError(404, f"no call with id {call_id!r} is running or remembered")
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         """The process answers (cheap, even at saturation)."""

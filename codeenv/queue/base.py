@@ -21,3 +21,11 @@ class CallQueue(Protocol):
     def ready(self) -> bool:
         """Whether calls can be run now (started, with at least one healthy slot)."""
         ...
+
+    def result(self, call_id: str) -> ExecResult | None:
+        """The result of an ended call by its client id, while it is remembered."""
+        ...
+
+    def known(self, call_id: str) -> bool:
+        """Whether a call with this client id is running or remembered."""
+        ...
