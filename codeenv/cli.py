@@ -107,7 +107,10 @@ def serve(
         ensure_image(settings, progress=_progress)  # build before binding, with progress
     except CodeenvError as exc:
         raise _fail(str(exc)) from exc
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
+    # app's lifespan closes the pool; a second signal forces.
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
+                timeout_graceful_shutdown=int(settings.shutdown_grace_s))
 
 
 @image_app.command("build")

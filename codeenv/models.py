@@ -74,6 +74,10 @@ class ExecRequest(BaseModel):
     profile: str | None = Field(
         None, description="zygote profile to run in (default: the lightest that covers the imports)"
     )
+    deadline_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="must start within this many seconds, or it is answered overloaded and never run",
+    )
 
 
 class ErrorInfo(BaseModel):

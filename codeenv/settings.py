@@ -130,6 +130,7 @@ class GatewaySettings(SandboxSettings):
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
+    shutdown_grace_s: float = Field(30, ge=0, description="time running calls get to finish on shutdown")
 
     @model_validator(mode="after")
     def _safe_bind(self) -> Self:

@@ -92,6 +92,8 @@ async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
     await client.post("/v1/execute", json={"code": "1/0"})
     text = (await client.get("/metrics")).text
     assert 'codeenv_calls_total{status="error"}' in text and "codeenv_run_seconds_bucket" in text
+    for gauge in ("codeenv_slots 2.0", "codeenv_free_slots", "codeenv_slot_restarts", "codeenv_waiting"):
+        assert gauge in text
     schema = (await client.get("/openapi.json")).json()
     assert {"ExecRequest", "ExecResult", "Limits", "BatchRequest"} <= set(schema["components"]["schemas"])
 

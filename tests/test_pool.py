@@ -102,3 +102,15 @@ async def test_without_preforking(state_dir: Path) -> None:
         r = await p.run(ExecRequest(code="import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))"))
         assert len(eval(r.stdout)) == 2  # the zygote and this call: no spare waiting
         assert p.restarts == 0
+
+
+async def test_a_call_that_cannot_start_by_its_deadline_is_not_run(run: Runner, pool: SlotPool) -> None:
+    busy = "open('running', 'w').close()\nimport time\ntime.sleep(1.5)"
+    blockers = [asyncio.create_task(run(busy, slot=s)) for s in (0, 1)]
+    for s in (0, 1):
+        await wait_until_running(pool.slots[s].zygotes["light"])
+    late = await pool.run(ExecRequest(code="open('/work/ran', 'w')\nprint('ran')", deadline_s=0.3))
+    assert late.status == "overloaded" and not late.started and "deadline" in (late.message or "")
+    on_time = await pool.run(ExecRequest(code="print('ran')", deadline_s=10))
+    assert on_time.status == "ok"
+    await asyncio.gather(*blockers)

@@ -10,12 +10,14 @@ JSON), so bad input always gets a 4xx that says what to fix, never a 5xx.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +37,7 @@ JSON_BODY = "codeenv.json"
 #: JSON nested deeper than this is refused before it reaches a parser that recurses.
 MAX_JSON_DEPTH = 64
 RETRY_AFTER_S = "1"
+LAG_PROBE_S = 0.5
 
 
 class BatchRequest(BaseModel):
@@ -91,6 +94,14 @@ class Metrics:
                                buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
                                registry=self.registry)
+        self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late the gateway's event loop runs a timer",
+                              registry=self.registry)
+
+    def watch(self, queue: CallQueue) -> None:
+        for key, doc in (("slots", "Slots of the embedded pool"), ("free_slots", "Slots free right now"),
+                         ("slot_restarts", "Jails recycled since start"),
+                         ("waiting", "Calls accepted and waiting for a slot")):
+            Gauge(f"codeenv_{key}", doc, registry=self.registry).set_function(partial(_stat, queue, key))
 
     def observe(self, results: list[ExecResult]) -> None:
         for r in results:
@@ -110,12 +121,22 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     calls: CallQueue = queue
     metrics = Metrics()
 
+    metrics.watch(calls)
+
+    async def measure_lag() -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LAG_PROBE_S)
+            metrics.loop_lag.set(max(0.0, time.monotonic() - t0 - LAG_PROBE_S))
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await calls.start()
+        probe = asyncio.create_task(measure_lag(), name="codeenv-loop-lag")
         try:
             yield
         finally:
+            probe.cancel()
             await calls.close()
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
@@ -233,6 +254,10 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     app.state.metrics = metrics
     app.state.queue = calls
     return app
+
+
+def _stat(queue: CallQueue, key: str) -> float:
+    return queue.stats()[key]
 
 
 def _body_schema(model: str) -> dict[str, Any]:

@@ -29,3 +29,7 @@ class CallQueue(Protocol):
     def known(self, call_id: str) -> bool:
         """Whether a call with this client id is running or remembered."""
         ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for /metrics: slots, free_slots, slot_restarts, waiting (calls not yet started)."""
+        ...

@@ -43,8 +43,17 @@ class EmbeddedQueue:
     async def start(self) -> None:
         await self.pool.start()
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 30.0) -> None:
+        """Let running calls finish (up to `grace_s`), then stop the pool."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
         await self.pool.close()
+
+    def stats(self) -> dict[str, float]:
+        slots = len(self.pool.slots)
+        free = self.pool.free_slots
+        return {"slots": slots, "free_slots": free, "slot_restarts": self.pool.restarts,
+                "waiting": max(0, self.in_flight - (slots - free))}
 
     def ready(self) -> bool:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())

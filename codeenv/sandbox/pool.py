@@ -265,7 +265,18 @@ class SlotPool:
         code, stdin, limits, profile = self.resolve(request)
         queued = time.monotonic()
         for attempt in range(1, MAX_DISPATCH + 1):
-            slot = await self._free.acquire(slot_index)
+            if request.deadline_s is None:
+                slot = await self._free.acquire(slot_index)
+            else:
+                remaining = request.deadline_s - (time.monotonic() - queued)
+                try:
+                    async with asyncio.timeout(max(0.0, remaining)):
+                        slot = await self._free.acquire(slot_index)
+                except TimeoutError:
+                    return self._finish(request, ExecResult(
+                        status=Status.overloaded, started=False,
+                        message=f"no slot became free within the deadline of {request.deadline_s:g}s; not run",
+                    ), None, profile, time.monotonic() - queued)
             queue_s = time.monotonic() - queued
             zygote = slot.zygotes[profile.name]
             zygote.busy = True
