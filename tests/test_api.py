@@ -65,7 +65,8 @@ async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.Async
 
 @pytest.mark.parametrize(("body", "status", "fragment"), [
     (b"{not json", 400, "not valid JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"code": "1", "limits": ' + b"[" * 900 + b"]" * 900 + b"}", 422, "limits"),
     (b'{"code": 1}', 422, "string"),
     (b'{"code": "1", "limits": {"wall_s": "NaN"}}', 422, "finite"),
     (b'{"code": "1", "limits": {"memory_mb": 100000000}}', 422, "cannot exceed the configured limit"),
