@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -79,12 +80,14 @@ def run(
 
 @app.command()
 def serve(
-    host: Annotated[str, typer.Option(help="address to bind (anything but loopback needs --token)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+    host: Annotated[str | None, typer.Option(help="address to bind [default: 127.0.0.1; anything but "
+                                                  "loopback needs --token]")] = None,
+    port: Annotated[int | None, typer.Option(help="port to bind [default: 8000]")] = None,
     slots: Annotated[int | None, typer.Option(help="concurrent calls (default: one per core)")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token required on every endpoint",
                                               envvar="CODEENV_TOKEN")] = None,
-    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without a token")] = False,
+    insecure: Annotated[bool | None, typer.Option(
+        "--insecure", help="allow a non-loopback bind without a token")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis)."""
@@ -96,9 +99,9 @@ def serve(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = GatewaySettings(host=host, port=port, token=token, insecure=insecure)
-        if slots is not None:
-            settings = settings.model_copy(update={"slots": max(1, slots)})
+        # Only what was given on the command line overrides CODEENV_* variables and defaults.
+        given = {"host": host, "port": port, "token": token, "insecure": insecure, "slots": slots}
+        settings = GatewaySettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     try:
@@ -110,7 +113,7 @@ def serve(
     # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
     # app's lifespan closes the pool; a second signal forces.
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
 
 
 @image_app.command("build")

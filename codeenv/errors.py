@@ -26,7 +26,14 @@ class LimitExceedsCap(InvalidRequest):
         self.name = name
         self.requested = requested
         self.cap = cap
-        super().__init__(f"{name}={requested:g} cannot exceed the configured limit of {cap:g}")
+        super().__init__(f"{name}={_number(requested)} cannot exceed the configured limit of {_number(cap)}")
+
+
+def _number(value: float) -> str:
+    try:
+        return f"{value:g}"
+    except OverflowError:  # an int too large for a float
+        return f"{str(value)[:20]}... ({len(str(value))} digits)"
 
 
 class ImageError(CodeenvError):

@@ -175,3 +175,16 @@ async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncCli
     other = await client.post("/v1/execute", json={"code": "print(2)", "id": "retry-me"})
     assert other.status_code == 422 and "different call" in other.json()["detail"]
     assert (await client.get("/v1/results/never-sent")).status_code == 404
+
+
+async def test_more_bad_input(client: httpx.AsyncClient) -> None:
+    huge = '{"code": "1", "limits": {"memory_mb": 1' + "0" * 400 + "}}"
+    r = await client.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "cannot exceed" in r.text
+    r = await client.post("/v1/execute/batch", content=('{"requests": [' + huge + ', {"code": "print(1)"}]}').encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 200 and [x["status"] for x in r.json()["results"]] == ["rejected", "ok"]
+    r = await client.post("/nowhere", content=b"{bad", headers={"content-type": "application/json"})
+    assert r.status_code == 404
+    r = await client.post("/v1/execute", json={"code": "print(5)", "id": "a/b"})
+    assert (await client.get("/v1/results/a/b")).json()["stdout"] == "5\n"

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from codeenv.models import ExecRequest, ExecResult, Limits, Status
 from codeenv.queue.base import CallQueue
@@ -92,7 +93,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         from codeenv.queue.memory import EmbeddedQueue
         from codeenv.sandbox.pool import SlotPool
 
-        queue = EmbeddedQueue(SlotPool(settings), settings.max_queued)
+        queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)
     calls: CallQueue = queue
     metrics = Metrics()
 
@@ -124,10 +125,12 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                 given = request.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            if request.method == "POST":
+            if request.method == "POST" and request.url.path.startswith("/v1/execute"):
                 await _read_body(request, settings.max_body_bytes)
         except ApiError as exc:
             return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+        except ClientDisconnect:
+            return JSONResponse({"detail": "the client went away while sending the body"}, 400)
         return await call_next(request)
 
     @app.exception_handler(ApiError)
@@ -186,7 +189,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             return Response(payload, 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
         return Response(payload, media_type="application/json")
 
-    @app.get("/v1/results/{call_id}", response_model=ExecResult,
+    @app.get("/v1/results/{call_id:path}", response_model=ExecResult,
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
     async def result_by_id(call_id: str) -> Response:
         """The result of a call by the client's id, kept for a while after it ends."""

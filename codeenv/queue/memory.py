@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
@@ -20,33 +21,41 @@ from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.sandbox.pool import SlotPool
 
+logger = logging.getLogger(__name__)
+
 
 class EmbeddedQueue:
     """An in-process queue in front of a SlotPool, bounded by `max_queued` waiting calls.
 
-    Calls that carry a client id are remembered for `results_ttl_s` after they end: the same id
-    sent again (a retry after a lost connection) attaches to the same call instead of running it
-    twice, and `result(id)` answers it.
+    Calls that carry a client id are remembered for `results_ttl_s` after they end (within a count
+    and a byte budget): the same id sent again (a retry after a lost connection) attaches to the
+    same call instead of running it twice, and `result(id)` answers it.
     """
 
     def __init__(self, pool: SlotPool, max_queued: int, results_ttl_s: float = 600.0,
-                 max_remembered: int = 200_000) -> None:
+                 max_remembered: int = 100_000, max_remembered_bytes: int = 256 << 20,
+                 grace_s: float = 30.0) -> None:
         self.pool = pool
         self.max_queued = max_queued
         self.in_flight = 0
         self.results_ttl_s = results_ttl_s
         self.max_remembered = max_remembered
-        # id -> (fingerprint, the call's future, when it ended or None); oldest first
-        self._calls: OrderedDict[str, tuple[str, asyncio.Future[ExecResult], float | None]] = OrderedDict()
+        self.max_remembered_bytes = max_remembered_bytes
+        self.grace_s = grace_s
+        # id -> (fingerprint, future) while the call runs; then id -> (fingerprint, result, ended,
+        # size) in the order calls ended, so the oldest are forgotten first.
+        self._running: dict[str, tuple[str, asyncio.Future[ExecResult]]] = {}
+        self._done: OrderedDict[str, tuple[str, ExecResult, float, int]] = OrderedDict()
+        self._done_bytes = 0
         self._tasks: set[asyncio.Future[ExecResult]] = set()
 
     async def start(self) -> None:
         await self.pool.start()
 
-    async def close(self, grace_s: float = 30.0) -> None:
+    async def close(self) -> None:
         """Let running calls finish (up to `grace_s`), then stop the pool."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        if self._tasks and self.grace_s > 0:
+            await asyncio.wait(list(self._tasks), timeout=self.grace_s)
         await self.pool.close()
 
     def stats(self) -> dict[str, float]:
@@ -63,9 +72,8 @@ class EmbeddedQueue:
         room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
         work: list[Awaitable[ExecResult]] = []
         for request in requests:
-            known = self._calls.get(request.id) if request.id is not None else None
-            if known is not None:
-                work.append(self._attach(request, *known))
+            if request.id is not None and (request.id in self._running or request.id in self._done):
+                work.append(self._attach(request))
             elif room > 0:
                 room -= 1
                 self.in_flight += 1  # counted now, so concurrent submits see it
@@ -75,7 +83,7 @@ class EmbeddedQueue:
                     # the same tick must find it.
                     future = asyncio.get_running_loop().create_future()
                     future.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    self._calls[request.id] = (_fingerprint(request), future, None)
+                    self._running[request.id] = (_fingerprint(request), future)
                 work.append(self._tracked(request, future))
             else:
                 work.append(self._overloaded(request))
@@ -89,13 +97,11 @@ class EmbeddedQueue:
 
     def result(self, call_id: str) -> ExecResult | None:
         """The result of a remembered call that has ended, if any."""
-        known = self._calls.get(call_id)
-        if known is None or not known[1].done() or known[1].cancelled():
-            return None
-        return known[1].result()
+        done = self._done.get(call_id)
+        return done[1] if done is not None else None
 
     def known(self, call_id: str) -> bool:
-        return call_id in self._calls
+        return call_id in self._running or call_id in self._done
 
     async def _overloaded(self, request: ExecRequest) -> ExecResult:
         return ExecResult(id=request.id, status=Status.overloaded, started=False,
@@ -103,39 +109,51 @@ class EmbeddedQueue:
 
     async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None) -> ExecResult:
         try:
-            if request.id is None or future is None:
-                return await self._one(request)
-            try:
-                result = await self._one(request)
-            except BaseException as exc:
+            result = await self._one(request)
+            if request.id is not None and future is not None:
+                fingerprint, _ = self._running.pop(request.id)
+                future.set_result(result)
+                if result.started:  # a call that never ran may be sent again under its id
+                    self._remember(request.id, fingerprint, result)
+            return result
+        except BaseException as exc:
+            if request.id is not None and future is not None:
+                self._running.pop(request.id, None)
                 if not future.done():
                     future.set_exception(exc)
-                self._calls.pop(request.id, None)
-                raise
-            future.set_result(result)
-            if result.status in (Status.overloaded, Status.rejected) or not result.started:
-                self._calls.pop(request.id, None)  # never ran: the same id may be sent again
-            else:
-                self._calls[request.id] = (self._calls[request.id][0], future, time.monotonic())
-                self._calls.move_to_end(request.id)
-            return result
+            raise
         finally:
             self.in_flight -= 1
 
-    async def _attach(self, request: ExecRequest, fingerprint: str, future: asyncio.Future[ExecResult],
-                      _ended: float | None) -> ExecResult:
+    async def _attach(self, request: ExecRequest) -> ExecResult:
+        assert request.id is not None
+        running = self._running.get(request.id)
+        done = self._done.get(request.id)
+        fingerprint = running[0] if running is not None else done[0] if done is not None else ""
         if fingerprint != _fingerprint(request):
             return ExecResult(id=request.id, status=Status.rejected, started=False,
                               message=f"id {request.id!r} already names a different call; use a new id")
-        return await asyncio.shield(future)
+        if done is not None:
+            return done[1]
+        assert running is not None
+        return await asyncio.shield(running[1])
+
+    def _remember(self, call_id: str, fingerprint: str, result: ExecResult) -> None:
+        size = len(result.stdout) + len(result.stderr) + 512
+        self._done[call_id] = (fingerprint, result, time.monotonic(), size)
+        self._done_bytes += size
+        self._forget_expired()
 
     def _forget_expired(self) -> None:
-        now = time.monotonic()
-        for call_id, (_, _, ended) in list(self._calls.items()):
-            if len(self._calls) <= self.max_remembered and (ended is None or now - ended < self.results_ttl_s):
+        """Drop the oldest ended calls past their time, or past the count or byte budget (O(1) each)."""
+        deadline = time.monotonic() - self.results_ttl_s
+        while self._done:
+            call_id, (_, _, ended, size) = next(iter(self._done.items()))
+            over = len(self._done) > self.max_remembered or self._done_bytes > self.max_remembered_bytes
+            if not over and ended >= deadline:
                 break
-            if ended is not None:
-                del self._calls[call_id]
+            del self._done[call_id]
+            self._done_bytes -= size
 
     async def _one(self, request: ExecRequest) -> ExecResult:
         try:
@@ -144,6 +162,10 @@ class EmbeddedQueue:
             return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
         except PoolClosed as exc:
             return ExecResult(id=request.id, status=Status.overloaded, started=False, message=str(exc))
+        except Exception as exc:  # our fault: this call says so, the rest of the batch is unaffected
+            logger.exception("call %s failed inside the service", request.id)
+            return ExecResult(id=request.id, status=Status.internal_error, started=True,
+                              message=f"the service failed on this call: {exc!r}")
 
 
 def _fingerprint(request: ExecRequest) -> str:

@@ -76,6 +76,10 @@ class Slot:
         await zygote.start()
 
 
+class _DeadlinePassed(Exception):
+    """A call's start deadline passed after it got its slot (the slot needed a new zygote first)."""
+
+
 class _SlotBroker:
     """Hands free slots to waiting calls in FIFO order; a call may ask for one particular slot."""
 
@@ -284,9 +288,19 @@ class SlotPool:
                 async with zygote.lock:
                     if zygote.dead:
                         await slot.recycle(zygote, "its zygote had died")
+                    if request.deadline_s is not None and time.monotonic() - queued > request.deadline_s:
+                        raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
                     # Pre-fork the next child only while nobody queues: at saturation the extra
                     # hand-over costs throughput, and queued calls would not see the latency win.
                     outcome = await zygote.run(code, stdin, limits, prefork_next=not self._free.queued)
+            except _DeadlinePassed:
+                zygote.busy = False  # nothing ran: the slot goes back as it is
+                if self._open:
+                    self._free.release(slot)
+                return self._finish(request, ExecResult(
+                    status=Status.overloaded, started=False,
+                    message=f"the call could not start within its deadline of {request.deadline_s:g}s; not run",
+                ), slot, profile, time.monotonic() - queued)
             except ZygoteDied as exc:
                 # Provably never started: safe to hand to another slot.
                 logger.warning("%s: call not started (%s); attempt %d", slot.worker, exc, attempt)
