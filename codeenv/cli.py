@@ -29,6 +29,18 @@ app.add_typer(image_app, name="image")
 err = Console(stderr=True)
 
 
+def _setup_logging(log_format: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
 def _progress(message: str) -> None:
     err.print(f"[bold cyan]image[/] {message}")
 
@@ -89,6 +101,7 @@ def serve(
     insecure: Annotated[bool | None, typer.Option(
         "--insecure", help="allow a non-loopback bind without a token")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
 ) -> None:
     """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis)."""
     import uvicorn
@@ -96,8 +109,7 @@ def serve(
     from codeenv.api import create_app
     from codeenv.settings import GatewaySettings
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging(log_format)
     try:
         # Only what was given on the command line overrides CODEENV_* variables and defaults.
         given = {"host": host, "port": port, "token": token, "insecure": insecure, "slots": slots}

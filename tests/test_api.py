@@ -159,6 +159,10 @@ async def test_codeenv_serve_over_real_http() -> None:
         _, err = await asyncio.wait_for(proc.communicate(), 30)
     # A graceful stop: the pool closed its jails (uvicorn then re-raises SIGTERM as its exit status).
     assert proc.returncode in (0, -15) and "slot pool closed" in err.decode(), err.decode()[-2000:]
+    # Structured logs: one JSON object per line, one line per batch.
+    events = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    batches = [e for e in events if e.get("event") == "batch"]
+    assert batches and batches[0]["calls"] == 1 and batches[0]["statuses"] == {"ok": 1}
 
 
 async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncClient) -> None:

@@ -139,11 +139,17 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
     async def answer(requests: list[ExecRequest]) -> list[ExecResult]:
         metrics.in_flight.inc(len(requests))
+        started = time.monotonic()
         try:
             results = await calls.submit(requests)
         finally:
             metrics.in_flight.dec(len(requests))
         metrics.observe(results)
+        statuses: dict[str, int] = {}
+        for r in results:
+            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+        logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
+                                    "ms": round(1000 * (time.monotonic() - started), 2)})
         return results
 
     @app.post("/v1/execute", response_model=ExecResult, openapi_extra=_body_schema("ExecRequest"),
