@@ -133,6 +133,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _gauge(metrics: str, name: str) -> float:
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
+
+
 async def test_codeenv_serve_over_real_http() -> None:
     import sys
 
@@ -154,6 +158,17 @@ async def test_codeenv_serve_over_real_http() -> None:
                 await asyncio.sleep(0.1)
             r = await c.post("/v1/execute", json={"code": "import sympy\nprint(sympy.sqrt(8))"})
             assert r.status_code == 200 and r.json()["stdout"] == "2*sqrt(2)\n"
+
+            # A client that gives up 0.6 s into a batch of 40 calls: its unstarted calls never run.
+            before = _gauge((await c.get("/metrics")).text, "codeenv_calls_run")
+            batch = {"requests": [{"code": "import time\ntime.sleep(0.2)"}] * 40}
+            with pytest.raises(httpx.TimeoutException):
+                await c.post("/v1/execute/batch", json=batch, timeout=0.6)
+            await asyncio.sleep(2)  # what would have run by now, had the calls not been cancelled
+            ran = _gauge((await c.get("/metrics")).text, "codeenv_calls_run") - before
+            assert 1 <= ran <= 8, ran
+            r = await c.post("/v1/execute", json={"code": "print('still serving')"})
+            assert r.json()["stdout"] == "still serving\n"
     finally:
         proc.terminate()
         _, err = await asyncio.wait_for(proc.communicate(), 30)

@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from codeenv.models import ExecRequest, ExecResult, Limits, Status
 from codeenv.queue.base import CallQueue
@@ -37,6 +36,7 @@ logger = logging.getLogger(__name__)
 JSON_BODY = "codeenv.json"
 RETRY_AFTER_S = "1"
 LAG_PROBE_S = 0.5
+DISCONNECT_POLL_S = 0.25
 
 
 class BatchRequest(BaseModel):
@@ -76,7 +76,8 @@ class Metrics:
     def watch(self, queue: CallQueue) -> None:
         for key, doc in (("slots", "Slots of the embedded pool"), ("free_slots", "Slots free right now"),
                          ("slot_restarts", "Jails recycled since start"),
-                         ("waiting", "Calls accepted and waiting for a slot")):
+                         ("waiting", "Calls accepted and waiting for a slot"),
+                         ("calls_run", "Calls the embedded pool has run")):
             Gauge(f"codeenv_{key}", doc, registry=self.registry).set_function(partial(_stat, queue, key))
 
     def observe(self, results: list[ExecResult]) -> None:
@@ -118,31 +119,28 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
                   description="Run untrusted Python in jails, with hard limits and structured results.")
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        try:
-            if settings.token is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
-                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            if request.method == "POST" and request.url.path.startswith("/v1/execute"):
-                await _read_body(request, settings.max_body_bytes)
-        except ApiError as exc:
-            return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
-        except ClientDisconnect:
-            return JSONResponse({"detail": "the client went away while sending the body"}, 400)
-        return await call_next(request)
+    app.add_middleware(Guard, settings=settings)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
         return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
 
-    async def answer(requests: list[ExecRequest]) -> list[ExecResult]:
+    async def answer(request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         metrics.in_flight.inc(len(requests))
         started = time.monotonic()
+        gone = asyncio.Event()
+
+        async def watch_disconnect() -> None:
+            # Starlette has no disconnect event to wait on here: poll it, cheaply.
+            while not await request.is_disconnected():  # noqa: ASYNC110
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            gone.set()
+
+        watcher = asyncio.create_task(watch_disconnect())
         try:
-            results = await calls.submit(requests)
+            results = await calls.submit(requests, gone)
         finally:
+            watcher.cancel()
             metrics.in_flight.dec(len(requests))
         metrics.observe(results)
         statuses: dict[str, int] = {}
@@ -161,7 +159,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             call = ExecRequest.model_validate(request.scope[JSON_BODY])
         except ValidationError as exc:
             raise ApiError(422, _errors(exc)) from None
-        [result] = await answer([call])
+        [result] = await answer(request, [call])
         if result.status == Status.rejected:
             raise ApiError(422, result.message)
         if result.status == Status.overloaded:
@@ -188,7 +186,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                 call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
                 slots.append(ExecResult(id=call_id, status=Status.rejected,
                                         message=json.dumps(_errors(exc))))
-        ran = iter(await answer(valid)) if valid else iter(())
+        ran = iter(await answer(request, valid)) if valid else iter(())
         results = [slot if slot is not None else next(ran) for slot in slots]
         payload = '{"results":[' + ",".join(r.model_dump_json() for r in results) + "]}"
         if results and all(r.status == Status.overloaded for r in results):
@@ -254,24 +252,70 @@ def _errors(exc: ValidationError) -> list[dict[str, Any]]:
             for e in exc.errors(include_url=False, include_context=False, include_input=False)]
 
 
-async def _read_body(request: Request, max_bytes: int) -> None:
-    """Read, cap and parse a JSON body once; leave the parsed value in the request's scope."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"the body is {declared} bytes; the limit is {max_bytes}")
-    chunks: list[bytes] = []
-    size = 0
-    started = time.monotonic()
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        request.scope[JSON_BODY] = json.loads(body)
-    except RecursionError:  # the C decoder refuses nesting past the recursion limit: no crash
-        raise ApiError(400, "the JSON body is nested too deeply") from None
-    except ValueError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    logger.debug("read %d bytes in %.1f ms", size, 1000 * (time.monotonic() - started))
+class Guard:
+    """ASGI middleware in front of every route: the token, then the body of /v1/execute* calls.
+
+    The body is read here once, capped (413) and parsed (400), and left in the scope; the app then
+    sees an empty body followed by the client's real messages, so an endpoint can still notice
+    the client hanging up (http.disconnect) while its calls wait.
+    """
+
+    def __init__(self, app: Any, settings: GatewaySettings) -> None:
+        self.app = app
+        self.settings = settings
+        self.expected = f"Bearer {settings.token}".encode() if settings.token is not None else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            if self.expected is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+            if scope["method"] == "POST" and scope["path"].startswith("/v1/execute"):
+                body = await self._read_body(scope, receive)
+                if body is None:
+                    return  # the client went away while sending
+                try:
+                    scope[JSON_BODY] = json.loads(body)
+                except RecursionError:  # the C decoder refuses nesting past the recursion limit
+                    raise ApiError(400, "the JSON body is nested too deeply") from None
+                except ValueError as exc:
+                    raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+                replayed = False
+
+                async def replay() -> dict[str, Any]:
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return {"type": "http.request", "body": b"", "more_body": False}
+                    message: dict[str, Any] = await receive()
+                    return message
+
+                await self.app(scope, replay, send)
+                return
+        except ApiError as exc:
+            await JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
+        max_bytes = self.settings.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {max_bytes}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -14,8 +15,13 @@ class CallQueue(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
 
-    async def submit(self, requests: Sequence[ExecRequest]) -> list[ExecResult]:
-        """One result per request, in request order; never raises for a single bad call."""
+    async def submit(self, requests: Sequence[ExecRequest],
+                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+        """One result per request, in request order; never raises for a single bad call.
+
+        When `gone` is set (the caller disconnected), calls without an id that have not started are
+        cancelled and never run; calls with an id go on, so a reconnecting caller can attach.
+        """
         ...
 
     def ready(self) -> bool:

@@ -15,7 +15,8 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
@@ -62,15 +63,17 @@ class EmbeddedQueue:
         slots = len(self.pool.slots)
         free = self.pool.free_slots
         return {"slots": slots, "free_slots": free, "slot_restarts": self.pool.restarts,
-                "waiting": max(0, self.in_flight - (slots - free))}
+                "waiting": max(0, self.in_flight - (slots - free)), "calls_run": sum(self.pool.stats.values())}
 
     def ready(self) -> bool:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
 
-    async def submit(self, requests: Sequence[ExecRequest]) -> list[ExecResult]:
+    async def submit(self, requests: Sequence[ExecRequest],
+                     gone: asyncio.Event | None = None) -> list[ExecResult]:
         self._forget_expired()
         room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
         work: list[Awaitable[ExecResult]] = []
+        cancellable: list[tuple[int, list[bool]]] = []  # (index in work, set once dispatched)
         for request in requests:
             if request.id is not None and (request.id in self._running or request.id in self._done):
                 work.append(self._attach(request))
@@ -84,7 +87,10 @@ class EmbeddedQueue:
                     future = asyncio.get_running_loop().create_future()
                     future.add_done_callback(lambda f: f.cancelled() or f.exception())
                     self._running[request.id] = (_fingerprint(request), future)
-                work.append(self._tracked(request, future))
+                dispatched: list[bool] = []
+                work.append(self._tracked(request, future, dispatched))
+                if request.id is None:
+                    cancellable.append((len(work) - 1, dispatched))
             else:
                 work.append(self._overloaded(request))
         # The calls run as tasks of their own, so a caller that goes away (a dropped connection)
@@ -93,7 +99,23 @@ class EmbeddedQueue:
         for task in tasks:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return list(await asyncio.shield(asyncio.gather(*tasks)))
+        batch: asyncio.Future[list[ExecResult]] = asyncio.gather(*tasks)
+        if gone is None or not cancellable:
+            return list(await asyncio.shield(batch))
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait([batch, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not batch.done():  # the caller is gone: its calls that have not started never will
+                for index, dispatched in cancellable:
+                    if not dispatched:
+                        tasks[index].cancel()
+                # Started calls (and calls with an id, which a reconnecting caller may attach to)
+                # run on; nobody reads this batch's outcome any more.
+                batch.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise asyncio.CancelledError("the caller disconnected")
+            return list(batch.result())
+        finally:
+            watcher.cancel()
 
     def result(self, call_id: str) -> ExecResult | None:
         """The result of a remembered call that has ended, if any."""
@@ -107,9 +129,10 @@ class EmbeddedQueue:
         return ExecResult(id=request.id, status=Status.overloaded, started=False,
                           message=f"more than {self.max_queued} calls are waiting; retry later")
 
-    async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None) -> ExecResult:
+    async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None,
+                       dispatched: list[bool]) -> ExecResult:
         try:
-            result = await self._one(request)
+            result = await self._one(request, lambda: dispatched.append(True))
             if request.id is not None and future is not None:
                 fingerprint, _ = self._running.pop(request.id)
                 future.set_result(result)
@@ -120,7 +143,10 @@ class EmbeddedQueue:
             if request.id is not None and future is not None:
                 self._running.pop(request.id, None)
                 if not future.done():
-                    future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
             raise
         finally:
             self.in_flight -= 1
@@ -155,9 +181,9 @@ class EmbeddedQueue:
             del self._done[call_id]
             self._done_bytes -= size
 
-    async def _one(self, request: ExecRequest) -> ExecResult:
+    async def _one(self, request: ExecRequest, on_dispatch: Callable[[], None]) -> ExecResult:
         try:
-            return await self.pool.run(request)
+            return await self.pool.run(request, on_dispatch=on_dispatch)
         except InvalidRequest as exc:
             return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
         except PoolClosed as exc:

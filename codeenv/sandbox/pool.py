@@ -23,6 +23,7 @@ import shutil
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from codeenv.errors import InvalidRequest, PoolClosed, SandboxError
@@ -259,10 +260,12 @@ class SlotPool:
             profile = choose_profile(code, self.image.spec.profiles)
         return code, stdin, limits, profile
 
-    async def run(self, request: ExecRequest, *, slot_index: int | None = None) -> ExecResult:
+    async def run(self, request: ExecRequest, *, slot_index: int | None = None,
+                  on_dispatch: Callable[[], None] | None = None) -> ExecResult:
         """Run one program. Bad requests raise InvalidRequest; everything else is a result.
 
-        `slot_index` pins the call to one slot (for tests and diagnostics).
+        `slot_index` pins the call to one slot (for tests and diagnostics). `on_dispatch` is called
+        when the call gets its slot: until then, cancelling it provably runs nothing.
         """
         if not self._open:
             raise PoolClosed("the slot pool is not running")
@@ -282,6 +285,8 @@ class SlotPool:
                         message=f"no slot became free within the deadline of {request.deadline_s:g}s; not run",
                     ), None, profile, time.monotonic() - queued)
             queue_s = time.monotonic() - queued
+            if on_dispatch is not None:
+                on_dispatch()
             zygote = slot.zygotes[profile.name]
             zygote.busy = True
             try:
