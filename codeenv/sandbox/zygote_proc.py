@@ -77,8 +77,16 @@ def _jail_init_pid(nsjail_pid: int) -> int:
     """Host pid of the jail's PID 1 (the zygote): nsjail's child whose innermost pid is 1."""
     try:
         children = Path(f"/proc/{nsjail_pid}/task/{nsjail_pid}/children").read_text().split()
-    except OSError:
-        return 0
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: find them by their parent
+        children = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if stat.rsplit(")", 1)[1].split()[1] == str(nsjail_pid):
+                    children.append(entry.name)
     for child in children:
         try:
             status = Path(f"/proc/{child}/status").read_text()
