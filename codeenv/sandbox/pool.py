@@ -315,6 +315,12 @@ class SlotPool:
                 self._release(slot, zygote, str(exc))
                 return self._finish(request, ExecResult(
                     status=Status.internal_error, started=False, message=str(exc)), slot, profile, queue_s)
+            except Exception as exc:  # our own fault (e.g. out of fds): say so, recycle the jail
+                logger.exception("%s failed on a call", slot.worker)
+                self._release(slot, zygote, f"the worker failed on a call: {exc!r}")
+                return self._finish(request, ExecResult(
+                    status=Status.internal_error, started=True,  # it may have reached the zygote
+                    message=f"the worker failed on this call: {exc!r}"), slot, profile, queue_s)
             except BaseException:
                 self._release(slot, zygote, "the call was cancelled")
                 raise
