@@ -207,3 +207,22 @@ async def test_more_bad_input(client: httpx.AsyncClient) -> None:
     assert r.status_code == 404
     r = await client.post("/v1/execute", json={"code": "print(5)", "id": "a/b"})
     assert (await client.get("/v1/results/a/b")).json()["stdout"] == "5\n"
+
+
+async def test_hostile_calls_through_http(client: httpx.AsyncClient) -> None:
+    hostile = [
+        ({"code": "while True: pass", "limits": {"wall_s": 1}}, "timeout"),
+        ({"code": "x = bytearray(3 * 1024**3)", "limits": {"memory_mb": 256}}, "memory"),
+        ({"code": "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+          "limits": {"wall_s": 1}}, "timeout"),
+        ({"code": "import sys\nwhile True: sys.stdout.write('y' * 65536)"}, "output_limit"),
+        ({"code": "import socket\nsocket.create_connection(('127.0.0.1', 6379), timeout=1)"}, "error"),
+        ({"code": "import os, signal\nfor s in range(1, 65):\n    try: os.kill(1, s)\n    except OSError: pass\n"
+                  "print('done')"}, "ok"),
+        ({"code": "print('fine')"}, "ok"),
+    ]
+    r = await client.post("/v1/execute/batch", json={"requests": [h for h, _ in hostile]})
+    assert r.status_code == 200
+    assert [x["status"] for x in r.json()["results"]] == [s for _, s in hostile]
+    after = await client.post("/v1/execute", json={"code": "print('next')"})
+    assert after.json()["stdout"] == "next\n"
