@@ -114,3 +114,11 @@ async def test_a_call_that_cannot_start_by_its_deadline_is_not_run(run: Runner, 
     on_time = await pool.run(ExecRequest(code="print('ran')", deadline_s=10))
     assert on_time.status == "ok"
     await asyncio.gather(*blockers)
+
+
+async def test_a_second_pool_may_not_share_the_uid_range(pool: SlotPool) -> None:
+    from codeenv.errors import SandboxError
+
+    with pytest.raises(SandboxError, match="CODEENV_UID_BASE"):
+        async with SlotPool(SandboxSettings(slots=1, uid_base=pool.settings.uid_base)):
+            pass

@@ -166,7 +166,8 @@ class SlotPool:
         nsjail = nsjail_binary(settings)
         _remove_stale_runtime(settings.runtime_dir)
         tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
-        self._tree = CgroupTree.create(settings.cgroup_root, tag)
+        self._tree = CgroupTree.create(settings.cgroup_root, tag)  # also kills dead workers' jails
+        _check_uids_free(settings.uid_base, settings.slots)
         self._runtime = settings.runtime_dir / tag
         zygote_dir = self._runtime / "zygote"
         zygote_dir.mkdir(parents=True, exist_ok=True)
@@ -407,6 +408,25 @@ class SlotPool:
                                 await slot.recycle(zygote, "it stopped answering while idle")
                             except Exception as exc:
                                 logger.error("%s could not be restarted: %r", slot.worker, exc)
+
+
+def _check_uids_free(uid_base: int, slots: int) -> None:
+    """Refuse to share host uids with another worker's jails (RLIMIT_NPROC and signals are per uid)."""
+    ours = range(uid_base, uid_base + slots)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            uid = entry.stat().st_uid
+            if uid in ours and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                continue  # a process that has exited and is being reaped holds nothing
+        except OSError:
+            continue
+        if uid in ours:
+            raise SandboxError(
+                f"host uid {uid} (slot uids {uid_base}..{uid_base + slots - 1}) is in use by pid {entry.name}, "
+                "probably another codeenv worker: give each worker on a host its own CODEENV_UID_BASE"
+            )
 
 
 def _remove_stale_runtime(runtime_dir: Path) -> None:
