@@ -167,7 +167,12 @@ class SlotPool:
         _remove_stale_runtime(settings.runtime_dir)
         tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
         self._tree = CgroupTree.create(settings.cgroup_root, tag)  # also kills dead workers' jails
-        _check_uids_free(settings.uid_base, settings.slots)
+        try:
+            _check_uids_free(settings.uid_base, settings.slots)
+        except SandboxError:
+            self._tree.remove()
+            self._tree = None
+            raise
         self._runtime = settings.runtime_dir / tag
         zygote_dir = self._runtime / "zygote"
         zygote_dir.mkdir(parents=True, exist_ok=True)
