@@ -101,7 +101,7 @@ class Image:
         for profile in self.spec.profiles:
             if profile.name == name:
                 return profile
-        raise ImageError(f"image {self.name} has no profile {name!r}; it has "
+        raise ImageError(f"unknown profile {name!r}; image {self.name} has "
                          f"{', '.join(p.name for p in self.spec.profiles)}")
 
 

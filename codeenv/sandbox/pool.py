@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from codeenv.errors import InvalidRequest, PoolClosed, SandboxError
+from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
@@ -256,12 +256,10 @@ class SlotPool:
         if len(stdin) > settings.max_stdin_bytes:
             raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
         if request.profile is not None:
-            profile = self.image.profile(request.profile) if any(
-                p.name == request.profile for p in self.image.spec.profiles
-            ) else None
-            if profile is None:
-                names = ", ".join(p.name for p in self.image.spec.profiles)
-                raise InvalidRequest(f"unknown profile {request.profile!r}; this image has {names}")
+            try:
+                profile = self.image.profile(request.profile)
+            except ImageError as exc:
+                raise InvalidRequest(str(exc)) from None
         else:
             profile = choose_profile(code, self.image.spec.profiles)
         return code, stdin, limits, profile

@@ -15,8 +15,6 @@ from codeenv.models import ErrorInfo, ExecResult, LimitName, Status
 from codeenv.sandbox.zygote_proc import Outcome
 from codeenv.settings import LimitValues
 
-SETUP_FAILED = 125  # zygote.SETUP_FAILED
-
 
 def _error_info(report: dict[str, Any] | None) -> ErrorInfo | None:
     if not report or not isinstance(report.get("error"), dict):
@@ -92,8 +90,7 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
         result.message = "the call was stopped by the service"
     elif result.signal is not None:
         result.status = Status.killed
-        result.message = f"the program was killed by signal {result.signal} ({signals.Signals(result.signal).name})" \
-            if result.signal in signals.Signals._value2member_map_ else f"killed by signal {result.signal}"
+        result.message = f"the program was killed by signal {result.signal} ({signals.strsignal(result.signal)})"
     elif result.exit_code == 0:
         result.status = Status.ok
     else:

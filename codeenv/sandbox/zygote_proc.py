@@ -66,8 +66,6 @@ class Outcome:
     pids_limit_hit: bool = False
     memory_peak_kb: int | None = None
     watchdog_fired: bool = False
-    zygote_died: bool = False
-    cancelled: bool = False
     setup_error: str | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -379,16 +377,10 @@ class ZygoteProcess:
 
     async def ping(self) -> bool:
         """True if the idle zygote answers; only call while holding `lock`."""
-        timeout = self.settings.control_timeout_s
         try:
             self._send({"op": "ping"})
-            while True:
-                msg = await asyncio.wait_for(self.inbox.get(), timeout)
-                if msg is None:
-                    self.inbox.put_nowait(None)
-                    return False
-                if msg.get("op") == "pong":
-                    return True
+            await self._expect("pong", self.settings.control_timeout_s)
+            return True
         except (ZygoteDied, TimeoutError):
             return False
 
@@ -484,10 +476,8 @@ class ZygoteProcess:
                     out.watchdog_fired = True
                     out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
                 else:
-                    out.zygote_died = True
                     out.notes.append("the zygote died during the call; the jail was recycled")
             except asyncio.CancelledError:
-                out.cancelled = True
                 await self.stop()
                 raise
             out.wall_s = time.monotonic() - t0
