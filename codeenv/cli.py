@@ -2,7 +2,8 @@
 
 Usage::
 
-    codeenv serve [--host H] [--port P] [--slots N] [--token T]
+    codeenv serve [--host H] [--port P] [--slots N] [--token T] [--redis URL [--no-local-worker]]
+    codeenv worker --redis URL [--slots N]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
 """
@@ -100,10 +101,15 @@ def serve(
                                               envvar="CODEENV_TOKEN")] = None,
     insecure: Annotated[bool | None, typer.Option(
         "--insecure", help="allow a non-loopback bind without a token")] = None,
+    redis: Annotated[str | None, typer.Option(
+        help="queue through Redis Streams at this URL (default: embedded, no Redis)")] = None,
+    local_worker: Annotated[bool | None, typer.Option(
+        "--local-worker/--no-local-worker", help="with --redis: also run a worker here [default: yes]")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
 ) -> None:
-    """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis)."""
+    """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis), or
+    with --redis, a gateway of the Redis Streams queue (with a local worker unless told otherwise)."""
     import uvicorn
 
     from codeenv.api import create_app
@@ -112,20 +118,76 @@ def serve(
     _setup_logging(log_format)
     try:
         # Only what was given on the command line overrides CODEENV_* variables and defaults.
-        given = {"host": host, "port": port, "token": token, "insecure": insecure, "slots": slots}
+        given = {"host": host, "port": port, "token": token, "insecure": insecure, "slots": slots,
+                 "redis_url": redis, "local_worker": local_worker}
         settings = GatewaySettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
     except ValueError as exc:
         raise _fail(str(exc)) from exc
-    try:
-        from codeenv.sandbox.image import ensure_image
+    if settings.redis_url is None or settings.local_worker:
+        try:
+            from codeenv.sandbox.image import ensure_image
 
-        ensure_image(settings, progress=_progress)  # build before binding, with progress
-    except CodeenvError as exc:
-        raise _fail(str(exc)) from exc
+            ensure_image(settings, progress=_progress)  # build before binding, with progress
+        except CodeenvError as exc:
+            raise _fail(str(exc)) from exc
     # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
     # app's lifespan closes the pool; a second signal forces.
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
                 timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+
+
+@app.command()
+def worker(
+    redis: Annotated[str, typer.Option(help="Redis URL of the queue", envvar="CODEENV_REDIS_URL")],
+    slots: Annotated[int | None, typer.Option(help="concurrent calls (default: one per core)")] = None,
+    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
+    log_level: Annotated[str, typer.Option(help="info, or debug: also one line per call started")] = "info",
+) -> None:
+    """Run a worker: claim calls from the Redis Streams queue and run them in a local slot pool.
+
+    SIGTERM or SIGINT: stop claiming, hand unstarted calls back, let running ones finish within
+    CODEENV_SHUTDOWN_GRACE_S; a second signal stops at once.
+    """
+    import signal
+
+    from codeenv.sandbox.image import ensure_image
+    from codeenv.settings import QueueSettings
+    from codeenv.worker import StreamWorker
+
+    _setup_logging(log_format)
+    logging.getLogger("codeenv").setLevel(log_level.upper())
+    try:
+        given = {"redis_url": redis, "slots": slots}
+        settings = QueueSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    try:
+        ensure_image(settings, progress=_progress)
+    except CodeenvError as exc:
+        raise _fail(str(exc)) from exc
+
+    async def go() -> None:
+        w = StreamWorker(settings)
+        await w.start()
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task[None]] = []
+
+        def on_signal() -> None:
+            if stopping:
+                logging.getLogger("codeenv.worker").warning("second signal: stopping now")
+                w.force()
+            else:
+                logging.getLogger("codeenv.worker").info("stopping (a second signal forces)")
+                stopping.append(asyncio.create_task(w.stop()))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await w.stopped()
+
+    try:
+        asyncio.run(go())
+    except (CodeenvError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
 
 
 @image_app.command("build")

@@ -6,8 +6,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from codeenv.errors import LimitExceedsCap
-from codeenv.settings import LimitValues
+from codeenv.errors import InvalidRequest, LimitExceedsCap
+from codeenv.settings import LimitValues, SandboxSettings
 
 
 class Status(StrEnum):
@@ -78,6 +78,21 @@ class ExecRequest(BaseModel):
         None, gt=0, allow_inf_nan=False,
         description="must start within this many seconds, or it is answered overloaded and never run",
     )
+
+
+    def check(self, settings: SandboxSettings) -> tuple[bytes, bytes, LimitValues]:
+        """The code, stdin and limits to run with; raise InvalidRequest saying what to fix."""
+        limits = self.limits.resolve(settings.defaults, settings.caps)
+        try:
+            code = self.code.encode("utf-8")
+            stdin = self.stdin.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
+        if len(code) > settings.max_code_bytes:
+            raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+        if len(stdin) > settings.max_stdin_bytes:
+            raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
+        return code, stdin, limits
 
 
 class ErrorInfo(BaseModel):

@@ -117,11 +117,34 @@ class SandboxSettings(BaseSettings):
         return self.state_dir / "runtime"
 
 
+class QueueSettings(SandboxSettings):
+    """Settings of the queue between gateways and workers (Redis Streams when `redis_url` is set)."""
+
+    redis_url: str | None = Field(
+        None, description="Redis to queue calls through (redis://[:password@]host:port/db); unset: embedded"
+    )
+    redis_prefix: str = Field("codeenv", pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="prefix of every key")
+    heartbeat_s: float = Field(1.0, gt=0, allow_inf_nan=False, description="how often a worker says it is alive")
+    worker_dead_after_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False,
+        description="a worker silent this long is dead: its unstarted jobs go to others, its started ones are "
+                    "answered",
+    )
+    results_ttl_s: float = Field(600, gt=0, description="how long a call with a client id is remembered")
+    shutdown_grace_s: float = Field(30, ge=0, description="time running calls get to finish on shutdown")
+
+    @model_validator(mode="after")
+    def _heartbeat_within_ttl(self) -> Self:
+        if self.worker_dead_after_s < 2 * self.heartbeat_s:
+            raise ValueError("worker_dead_after_s must be at least twice heartbeat_s")
+        return self
+
+
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-class GatewaySettings(SandboxSettings):
-    """Settings of `codeenv serve`: the HTTP gateway (with its embedded worker pool)."""
+class GatewaySettings(QueueSettings):
+    """Settings of `codeenv serve`: the HTTP gateway (with an embedded pool, or Redis and workers)."""
 
     host: str = Field("127.0.0.1", description="address to bind; anything but loopback needs a token")
     port: int = Field(8000, ge=0, le=65535)
@@ -130,7 +153,7 @@ class GatewaySettings(SandboxSettings):
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
-    shutdown_grace_s: float = Field(30, ge=0, description="time running calls get to finish on shutdown")
+    local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) in this process")
 
     @model_validator(mode="after")
     def _safe_bind(self) -> Self:

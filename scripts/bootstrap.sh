@@ -25,7 +25,7 @@ find_python() {
 
 system_packages() {
     local missing=()
-    for pkg in libnl-route-3-200; do
+    for pkg in "$@"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -38,8 +38,9 @@ system_packages() {
     fi
 }
 
+# Usage: bootstrap [EXTRA_DEBIAN_PACKAGE...]
 bootstrap() {
-    command -v dpkg-query >/dev/null 2>&1 && system_packages
+    command -v dpkg-query >/dev/null 2>&1 && system_packages libnl-route-3-200 "$@"
     local stamp="$VENV/.codeenv-stamp" want
     want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
     if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import redis
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.sandbox.zygote_proc import ZygoteProcess
@@ -62,3 +67,54 @@ async def pool() -> AsyncIterator[SlotPool]:
 @pytest.fixture
 def run(pool: SlotPool) -> Runner:
     return Runner(pool)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A private redis-server on a free port (never the machine's own), stopped by PID."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise pytest.UsageError("the Redis tests need redis-server (scripts/test installs it)")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        try:
+            for _ in range(200):
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    time.sleep(0.025)
+            raise RuntimeError("redis-server did not start")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from collections.abc import AsyncIterator
 
 import httpx
@@ -14,7 +15,10 @@ import pytest_asyncio
 from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.queue.memory import EmbeddedQueue
+from codeenv.queue.streams import RedisQueue
 from codeenv.settings import GatewaySettings
+from codeenv.worker import StreamWorker
+from tests.conftest import RedisServer
 
 
 class SharedPoolQueue(EmbeddedQueue):
@@ -27,12 +31,28 @@ class SharedPoolQueue(EmbeddedQueue):
         pass
 
 
-@pytest_asyncio.fixture
-async def client(pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
+@pytest_asyncio.fixture(params=["embedded", "redis"])
+async def client(request: pytest.FixtureRequest, pool: SlotPool,
+                 redis_server: RedisServer) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway in both queue modes: embedded, and Redis Streams with a worker on the same pool."""
     settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
-        yield c
+    if request.param == "embedded":
+        app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+            yield c
+        return
+    settings = settings.model_copy(update={"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex})
+    worker = StreamWorker(settings, pool=pool)
+    queue = RedisQueue(settings)
+    await worker.start()
+    await queue.start()
+    try:
+        app = create_app(settings, queue)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+            yield c
+    finally:
+        await queue.close()
+        await worker.stop()
 
 
 async def test_execute(client: httpx.AsyncClient) -> None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -30,6 +30,9 @@ from pydantic import BaseModel, ValidationError
 from codeenv.models import ExecRequest, ExecResult, Limits, Status
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from codeenv.worker import StreamWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,12 @@ class Metrics:
                               registry=self.registry)
 
     def watch(self, queue: CallQueue) -> None:
-        for key, doc in (("slots", "Slots of the embedded pool"), ("free_slots", "Slots free right now"),
+        for key, doc in (("slots", "Slots of the workers"), ("free_slots", "Slots free right now"),
                          ("slot_restarts", "Jails recycled since start"),
-                         ("waiting", "Calls accepted and waiting for a slot"),
-                         ("calls_run", "Calls the embedded pool has run")):
+                         ("waiting", "Calls accepted and waiting for a slot (the queue's depth)"),
+                         ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
+                         ("workers", "Live workers behind this gateway"),
+                         ("calls_run", "Calls the workers have run")):
             Gauge(f"codeenv_{key}", doc, registry=self.registry).set_function(partial(_stat, queue, key))
 
     def observe(self, results: list[ExecResult]) -> None:
@@ -89,8 +94,16 @@ class Metrics:
 
 
 def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> FastAPI:
-    """The gateway. Without `queue`, it runs an embedded slot pool for its lifetime."""
-    if queue is None:
+    """The gateway. Without `queue`: an embedded slot pool, or with `settings.redis_url` the Redis
+    Streams queue (and, with `settings.local_worker`, a worker in this process), for its lifetime."""
+    worker: StreamWorker | None = None
+    if queue is None and settings.redis_url is not None:
+        from codeenv.queue.streams import RedisQueue
+        from codeenv.worker import StreamWorker
+
+        queue = RedisQueue(settings)
+        worker = StreamWorker(settings) if settings.local_worker else None
+    elif queue is None:
         from codeenv.queue.memory import EmbeddedQueue
         from codeenv.sandbox.pool import SlotPool
 
@@ -108,13 +121,22 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await calls.start()
+        if worker is not None:
+            await worker.start()
+        try:
+            await calls.start()
+        except BaseException:
+            if worker is not None:
+                await worker.stop(grace_s=0)
+            raise
         probe = asyncio.create_task(measure_lag(), name="codeenv-loop-lag")
         try:
             yield
         finally:
             probe.cancel()
             await calls.close()
+            if worker is not None:
+                await worker.stop()
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
                   description="Run untrusted Python in jails, with hard limits and structured results.")
@@ -197,10 +219,10 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
     async def result_by_id(call_id: str) -> Response:
         """The result of a call by the client's id, kept for a while after it ends."""
-        result = calls.result(call_id)
+        known, result = await calls.lookup(call_id)
         if result is not None:
             return Response(result.model_dump_json(), media_type="application/json")
-        if calls.known(call_id):
+        if known:
             return JSONResponse({"id": call_id, "detail": "the call is still running"}, 202)
         raise ApiError(404, f"no call with id {call_id!r} is running or remembered")
 
@@ -211,7 +233,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        """The pool started with at least one healthy slot."""
+        """The pool started with at least one healthy slot (with Redis: Redis answers and a live
+        worker has slots)."""
         if calls.ready():
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False}, 503)

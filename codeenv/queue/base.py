@@ -28,14 +28,11 @@ class CallQueue(Protocol):
         """Whether calls can be run now (started, with at least one healthy slot)."""
         ...
 
-    def result(self, call_id: str) -> ExecResult | None:
-        """The result of an ended call by its client id, while it is remembered."""
-        ...
-
-    def known(self, call_id: str) -> bool:
-        """Whether a call with this client id is running or remembered."""
+    async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
+        """Whether a call with this client id is running or remembered, and its result once it ended."""
         ...
 
     def stats(self) -> dict[str, float]:
-        """Gauges for /metrics: slots, free_slots, slot_restarts, waiting (calls not yet started)."""
+        """Gauges for /metrics: slots, free_slots, slot_restarts, calls_run, waiting (calls not yet
+        started), oldest_wait_s (how long the oldest of them has waited), workers (live workers)."""
         ...

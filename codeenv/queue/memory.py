@@ -49,6 +49,7 @@ class EmbeddedQueue:
         self._done: OrderedDict[str, tuple[str, ExecResult, float, int]] = OrderedDict()
         self._done_bytes = 0
         self._tasks: set[asyncio.Future[ExecResult]] = set()
+        self._waiting_since: dict[object, float] = {}  # calls not yet dispatched, oldest first
 
     async def start(self) -> None:
         await self.pool.start()
@@ -62,8 +63,10 @@ class EmbeddedQueue:
     def stats(self) -> dict[str, float]:
         slots = len(self.pool.slots)
         free = self.pool.free_slots
+        oldest = next(iter(self._waiting_since.values()), None)
         return {"slots": slots, "free_slots": free, "slot_restarts": self.pool.restarts,
-                "waiting": max(0, self.in_flight - (slots - free)), "calls_run": sum(self.pool.stats.values())}
+                "waiting": len(self._waiting_since), "calls_run": sum(self.pool.stats.values()),
+                "oldest_wait_s": 0.0 if oldest is None else time.monotonic() - oldest, "workers": 1}
 
     def ready(self) -> bool:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
@@ -86,7 +89,7 @@ class EmbeddedQueue:
                     # the same tick must find it.
                     future = asyncio.get_running_loop().create_future()
                     future.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    self._running[request.id] = (_fingerprint(request), future)
+                    self._running[request.id] = (fingerprint(request), future)
                 dispatched: list[bool] = []
                 work.append(self._tracked(request, future, dispatched))
                 if request.id is None:
@@ -117,13 +120,11 @@ class EmbeddedQueue:
         finally:
             watcher.cancel()
 
-    def result(self, call_id: str) -> ExecResult | None:
-        """The result of a remembered call that has ended, if any."""
+    async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         done = self._done.get(call_id)
-        return done[1] if done is not None else None
-
-    def known(self, call_id: str) -> bool:
-        return call_id in self._running or call_id in self._done
+        if done is not None:
+            return True, done[1]
+        return call_id in self._running, None
 
     async def _overloaded(self, request: ExecRequest) -> ExecResult:
         return ExecResult(id=request.id, status=Status.overloaded, started=False,
@@ -131,8 +132,15 @@ class EmbeddedQueue:
 
     async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None,
                        dispatched: list[bool]) -> ExecResult:
+        token = object()
+        self._waiting_since[token] = time.monotonic()
+
+        def on_dispatch() -> None:
+            dispatched.append(True)
+            self._waiting_since.pop(token, None)
+
         try:
-            result = await self._one(request, lambda: dispatched.append(True))
+            result = await self._one(request, on_dispatch)
             if request.id is not None and future is not None:
                 fingerprint, _ = self._running.pop(request.id)
                 future.set_result(result)
@@ -150,13 +158,14 @@ class EmbeddedQueue:
             raise
         finally:
             self.in_flight -= 1
+            self._waiting_since.pop(token, None)
 
     async def _attach(self, request: ExecRequest) -> ExecResult:
         assert request.id is not None
         running = self._running.get(request.id)
         done = self._done.get(request.id)
-        fingerprint = running[0] if running is not None else done[0] if done is not None else ""
-        if fingerprint != _fingerprint(request):
+        known = running[0] if running is not None else done[0] if done is not None else ""
+        if known != fingerprint(request):
             return ExecResult(id=request.id, status=Status.rejected, started=False,
                               message=f"id {request.id!r} already names a different call; use a new id")
         if done is not None:
@@ -194,7 +203,7 @@ class EmbeddedQueue:
                               message=f"the service failed on this call: {exc!r}")
 
 
-def _fingerprint(request: ExecRequest) -> str:
+def fingerprint(request: ExecRequest) -> str:
     """What makes two submissions the same call."""
     canonical = json.dumps(request.model_dump(exclude={"id"}), sort_keys=True, ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()

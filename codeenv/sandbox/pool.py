@@ -23,7 +23,7 @@ import shutil
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError
@@ -244,17 +244,7 @@ class SlotPool:
     def resolve(self, request: ExecRequest) -> tuple[bytes, bytes, LimitValues, Profile]:
         """Validate a request against the server's caps; raise InvalidRequest saying what to fix."""
         assert self.image is not None
-        settings = self.settings
-        limits = request.limits.resolve(settings.defaults, settings.caps)
-        try:
-            code = request.code.encode("utf-8")
-            stdin = request.stdin.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
-        if len(code) > settings.max_code_bytes:
-            raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
-        if len(stdin) > settings.max_stdin_bytes:
-            raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
+        code, stdin, limits = request.check(self.settings)
         if request.profile is not None:
             try:
                 profile = self.image.profile(request.profile)
@@ -265,11 +255,14 @@ class SlotPool:
         return code, stdin, limits, profile
 
     async def run(self, request: ExecRequest, *, slot_index: int | None = None,
-                  on_dispatch: Callable[[], None] | None = None) -> ExecResult:
+                  on_dispatch: Callable[[], None] | None = None,
+                  before_start: Callable[[], Awaitable[ExecResult | None]] | None = None) -> ExecResult:
         """Run one program. Bad requests raise InvalidRequest; everything else is a result.
 
         `slot_index` pins the call to one slot (for tests and diagnostics). `on_dispatch` is called
-        when the call gets its slot: until then, cancelling it provably runs nothing.
+        when the call gets its slot: until then, cancelling it provably runs nothing. `before_start`
+        is awaited next, with the slot held: it may veto the call by returning the result to answer
+        instead (a distributed worker marks the job started there, or learns that it must not run).
         """
         if not self._open:
             raise PoolClosed("the slot pool is not running")
@@ -291,6 +284,15 @@ class SlotPool:
             queue_s = time.monotonic() - queued
             if on_dispatch is not None:
                 on_dispatch()
+            if before_start is not None:
+                try:
+                    veto = await before_start()
+                except BaseException:
+                    self._free.release(slot)
+                    raise
+                if veto is not None:
+                    self._free.release(slot)
+                    return veto
             zygote = slot.zygotes[profile.name]
             zygote.busy = True
             try:

@@ -1,0 +1,515 @@
+"""The Redis Streams queue, gateway side: calls go to a stream that `codeenv worker` processes drain.
+
+Usage::
+
+    queue = RedisQueue(GatewaySettings(redis_url="redis://127.0.0.1:6379/0"))
+    await queue.start()
+    results = await queue.submit([ExecRequest(code="print(1)")])
+
+The keys, all under one prefix (default ``codeenv``):
+
+========================  =====================================================================
+``P:jobs``                the stream of jobs; workers read it through the consumer group ``workers``
+``P:started:JOB``         the arbiter of at-most-once: set (NX) to the worker's name just before a
+                          slot runs the job, or to ``cancelled`` by whoever cancels it first
+``P:call:ID``             a client id -> ``fingerprint job entry`` while the call is remembered
+``P:result:ID``           the result of a call with a client id, kept ``results_ttl_s``
+``P:reply:GATEWAY``       results for one gateway process, read in bulk (BLMPOP)
+``P:alive:WORKER``        a worker's heartbeat; it expires ``worker_dead_after_s`` after the last
+``P:workers``             worker -> its last reported stats (slots, free slots, restarts, calls)
+========================  =====================================================================
+
+Everything a call leaves behind expires: a finished job's marker after ``DONE_TTL_S``, results of
+calls with an id after ``results_ttl_s``, a gateway's reply list when it stops reading it, so Redis
+memory returns to its baseline after a burst. Needs a single Redis (or a Sentinel-managed one) >= 7.0,
+not Redis Cluster: the scripts touch keys they compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from codeenv.errors import InvalidRequest
+from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.memory import fingerprint
+from codeenv.settings import GatewaySettings, QueueSettings
+
+logger = logging.getLogger(__name__)
+
+GROUP = "workers"
+#: How long the marker of a finished job outlives it (a late cancel must still see it).
+DONE_TTL_S = 60
+#: How long a gateway's reply list outlives its last result (it is read continuously while alive).
+REPLY_TTL_S = 300
+#: Calls per submit script run, so one huge burst does not hold Redis for long.
+SUBMIT_CHUNK = 1000
+#: How often calls attached to another gateway's job look for its result.
+ATTACH_POLL_S = 0.05
+#: How often the gateway refreshes the gauges and readiness it reads from Redis.
+SNAPSHOT_EVERY_S = 1.0
+
+
+class Keys:
+    """Names of the keys under one prefix (see the module docstring)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.jobs = f"{prefix}:jobs"
+        self.workers = f"{prefix}:workers"
+
+    def started(self, job: str) -> str:
+        return f"{self.prefix}:started:{job}"
+
+    def call(self, call_id: str) -> str:
+        return f"{self.prefix}:call:{call_id}"
+
+    def result(self, call_id: str) -> str:
+        return f"{self.prefix}:result:{call_id}"
+
+    def reply(self, gateway: str) -> str:
+        return f"{self.prefix}:reply:{gateway}"
+
+    def alive(self, worker: str) -> str:
+        return f"{self.prefix}:alive:{worker}"
+
+
+# KEYS[1]: the jobs stream. ARGV: max_queued, call_ttl_s, prefix, then (job, client id or "",
+# fingerprint, payload) per call. Answers per call: the new entry id; "fingerprint job entry" of the
+# call a client id already names (attach to it); or "" when the queue is full.
+SUBMIT = """
+local depth = redis.call('XLEN', KEYS[1])
+local maxq = tonumber(ARGV[1])
+local out = {}
+for i = 4, #ARGV, 4 do
+  local cid = ARGV[i + 1]
+  local prev = false
+  if cid ~= '' then prev = redis.call('GET', ARGV[3] .. ':call:' .. cid) end
+  if prev then
+    out[#out + 1] = prev
+  elseif depth >= maxq then
+    out[#out + 1] = ''
+  else
+    local entry = redis.call('XADD', KEYS[1], '*', 'job', ARGV[i + 3])
+    depth = depth + 1
+    if cid ~= '' then
+      redis.call('SET', ARGV[3] .. ':call:' .. cid, ARGV[i + 2] .. ' ' .. ARGV[i] .. ' ' .. entry, 'EX', ARGV[2])
+    end
+    out[#out + 1] = entry
+  end
+end
+return out
+"""
+
+# KEYS[1]: the jobs stream. ARGV: group, prefix, marker_ttl_s, then (job, entry, client id or "") per
+# call. A call is cancelled only if nobody marked it started: 1 per cancelled call, else 0.
+CANCEL = """
+local out = {}
+for i = 4, #ARGV, 3 do
+  if redis.call('SET', ARGV[2] .. ':started:' .. ARGV[i], 'cancelled', 'NX', 'EX', ARGV[3]) then
+    redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[i + 1])
+    redis.call('XDEL', KEYS[1], ARGV[i + 1])
+    if ARGV[i + 2] ~= '' then redis.call('DEL', ARGV[2] .. ':call:' .. ARGV[i + 2]) end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+
+def connect(settings: QueueSettings) -> Redis:
+    """A client for the queue's Redis (redis-py retries a dropped connection a few times itself)."""
+    assert settings.redis_url is not None
+    return Redis.from_url(settings.redis_url, decode_responses=True, protocol=2,
+                          socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30)
+
+
+def redacted(url: str | None) -> str:
+    """The URL without its password, for logs."""
+    if url is None or "@" not in url:
+        return str(url)
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+async def ensure_group(r: Redis, keys: Keys) -> None:
+    """Create the consumer group (and the stream) unless they exist; from entry 0, so that jobs
+    added before the group (e.g. right after a Redis restart) are read too."""
+    try:
+        await r.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def encode_job(job: str, reply: str, call_id: str | None, request_json: str) -> str:
+    """A stream entry: request JSON is embedded as encoded once, never re-encoded."""
+    return (f'{{"job":{json.dumps(job)},"reply":{json.dumps(reply)},"t":{time.time():.6f},'
+            f'"cid":{json.dumps(call_id)},"req":{request_json}}}')
+
+
+def encode_reply(job: str, result_json: str) -> str:
+    return f"{job}\n{result_json}"
+
+
+class _Call:
+    """One call this gateway wrote to the stream and has not answered yet."""
+
+    __slots__ = ("key", "request", "fingerprint", "future", "entry", "timer")
+
+    def __init__(self, request: ExecRequest, future: asyncio.Future[ExecResult]) -> None:
+        self.key = uuid.uuid4().hex
+        self.request = request
+        self.fingerprint = fingerprint(request) if request.id is not None else ""
+        self.future = future
+        self.entry = ""
+        self.timer: asyncio.TimerHandle | None = None
+
+    def answer(self, result: ExecResult) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.future.done():
+            self.future.set_result(result)
+
+
+class RedisQueue:
+    """The gateway's side of the Redis Streams queue.
+
+    Calls submitted in the same event-loop tick (concurrent single calls and batches alike) go to
+    Redis in one script run; results come back in bulk from this process's own reply list.
+    """
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        if settings.redis_url is None:
+            raise ValueError("RedisQueue needs settings.redis_url")
+        self.settings = settings
+        self.keys = Keys(settings.redis_prefix)
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.reply = self.keys.reply(self.name)
+        self._r = connect(settings)
+        self._reader = connect(settings)  # BLMPOP holds its connection
+        self._submit = self._r.register_script(SUBMIT)
+        self._cancel = self._r.register_script(CANCEL)
+        self._pending: list[_Call] = []
+        self._to_cancel: list[_Call] = []
+        self._waiting: dict[str, _Call] = {}  # job key -> call, for calls in the stream
+        self._attached: dict[str, list[asyncio.Future[ExecResult]]] = {}  # client id -> waiters
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._run_id: str | None = None
+        self._down: str | None = None  # why Redis is unreachable, while it is
+        self._snapshot: dict[str, float] = {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0,
+                                            "waiting": 0, "oldest_wait_s": 0, "workers": 0}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            self._run_id = (await self._r.info("server"))["run_id"]
+            await ensure_group(self._r, self.keys)
+        except RedisError as exc:
+            raise RuntimeError(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
+        await self._refresh_snapshot()
+        self._loops = [asyncio.create_task(self._read_replies(), name="codeenv-replies"),
+                       asyncio.create_task(self._watch(), name="codeenv-snapshot")]
+        logger.info("gateway %s queues through Redis at %s", self.name, redacted(self.settings.redis_url))
+
+    async def close(self) -> None:
+        if self._waiting and self.settings.shutdown_grace_s > 0:
+            futures = [c.future for c in self._waiting.values()]
+            await asyncio.wait(futures, timeout=self.settings.shutdown_grace_s)
+        for task in self._loops + list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        for call in list(self._waiting.values()):
+            call.answer(self._lost(call.request, "the gateway stopped before the call's result came back"))
+        try:
+            await self._r.delete(self.reply)
+        except RedisError:
+            pass
+        await self._r.aclose()
+        await self._reader.aclose()
+
+    def ready(self) -> bool:
+        return self._down is None and self._snapshot["workers"] > 0 and self._snapshot["slots"] > 0
+
+    def stats(self) -> dict[str, float]:
+        return self._snapshot
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    async def submit(self, requests: Sequence[ExecRequest],
+                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[ExecResult]] = []
+        mine: list[_Call] = []
+        for request in requests:
+            future: asyncio.Future[ExecResult] = loop.create_future()
+            futures.append(future)
+            try:
+                request.check(self.settings)
+            except InvalidRequest as exc:
+                future.set_result(ExecResult(id=request.id, status=Status.rejected, message=str(exc)))
+                continue
+            if self._down is not None:
+                future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False,
+                                             message=f"the queue is unreachable ({self._down}); retry later"))
+                continue
+            call = _Call(request, future)
+            mine.append(call)
+            if not self._pending:
+                loop.call_soon(self._spawn, self._flush())
+            self._pending.append(call)
+        batch = asyncio.gather(*futures)
+        if gone is None:
+            return list(await asyncio.shield(batch))
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait([batch, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not batch.done():  # the caller is gone: cancel its calls that have not started
+                batch.add_done_callback(lambda f: f.cancelled() or f.exception())
+                doomed = [c for c in mine if c.request.id is None and not c.future.done()]
+                if doomed:
+                    self._cancel_soon(doomed)
+                raise asyncio.CancelledError("the caller disconnected")
+            return list(batch.result())
+        finally:
+            watcher.cancel()
+
+    async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.result(call_id))
+            pipe.exists(self.keys.call(call_id))
+            result, known = await pipe.execute()
+        if result is not None:
+            return True, ExecResult.model_validate_json(result)
+        return bool(known), None
+
+    # --- writing calls --------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _flush(self) -> None:
+        """Write every call submitted this tick, in one script run per SUBMIT_CHUNK calls."""
+        batch, self._pending = self._pending, []
+        for start in range(0, len(batch), SUBMIT_CHUNK):
+            chunk = batch[start:start + SUBMIT_CHUNK]
+            args: list[str | int] = [self.settings.max_queued, int(self.settings.results_ttl_s), self.keys.prefix]
+            for call in chunk:
+                # Registered before the write: a fast worker's result may be read before the
+                # script's own reply.
+                self._waiting[call.key] = call
+                args += [call.key, call.request.id or "", call.fingerprint,
+                         encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json())]
+            try:
+                outcome = await self._submit(keys=[self.keys.jobs], args=args)
+            except RedisError as exc:
+                # The write may or may not have happened: the call may run, so it says started.
+                for call in chunk:
+                    self._waiting.pop(call.key, None)
+                    call.answer(self._lost(call.request, f"the queue failed while taking the call ({exc})"))
+                continue
+            for call, answer in zip(chunk, outcome, strict=True):
+                if answer == "":
+                    self._waiting.pop(call.key, None)
+                    call.answer(ExecResult(id=call.request.id, status=Status.overloaded, started=False,
+                                           message=f"more than {self.settings.max_queued} calls are queued; "
+                                                   "retry later"))
+                elif " " in answer:
+                    self._waiting.pop(call.key, None)
+                    self._attach(call, *answer.split(" "))
+                else:
+                    call.entry = answer
+                    if call.request.deadline_s is not None and not call.future.done():
+                        call.timer = asyncio.get_running_loop().call_later(
+                            call.request.deadline_s, self._cancel_soon, [call])
+
+    def _attach(self, call: _Call, fp: str, job: str, _entry: str) -> None:
+        """A resubmission of a call its client id already names: answer it with that call's result."""
+        if fp != call.fingerprint:
+            call.answer(ExecResult(id=call.request.id, status=Status.rejected, started=False,
+                                   message=f"id {call.request.id!r} already names a different call; use a new id"))
+            return
+        original = self._waiting.get(job)
+        if original is not None:  # written by this gateway: share its future
+            original.future.add_done_callback(lambda f: call.answer(f.result()))
+            return
+        assert call.request.id is not None
+        first = not self._attached
+        self._attached.setdefault(call.request.id, []).append(call.future)
+        if first:
+            self._spawn(self._poll_attached())
+
+    async def _poll_attached(self) -> None:
+        """Calls attached to another gateway's job learn its result from the result key."""
+        while self._attached:
+            await asyncio.sleep(ATTACH_POLL_S)
+            ids = list(self._attached)
+            try:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.mget([self.keys.result(i) for i in ids])
+                    pipe.mget([self.keys.call(i) for i in ids])
+                    results, calls = await pipe.execute()
+            except RedisError:
+                continue
+            for call_id, result, call in zip(ids, results, calls, strict=True):
+                if result is not None:
+                    answer = ExecResult.model_validate_json(result)
+                elif call is None:
+                    answer = ExecResult(id=call_id, status=Status.overloaded, started=False,
+                                        message="the call this id names was cancelled before it started; "
+                                                "send it again")
+                else:
+                    continue
+                for future in self._attached.pop(call_id):
+                    if not future.done():
+                        future.set_result(answer)
+
+    def _cancel_soon(self, calls: list[_Call]) -> None:
+        if not self._to_cancel:
+            asyncio.get_running_loop().call_soon(self._spawn, self._cancel_pending())
+        self._to_cancel += calls
+
+    async def _cancel_pending(self) -> None:
+        """Cancel calls (deadline passed, caller gone) that no worker has started; started ones run on."""
+        calls, self._to_cancel = [c for c in self._to_cancel if not c.future.done() and c.entry], []
+        if not calls:
+            return
+        args: list[str | int] = [GROUP, self.keys.prefix, DONE_TTL_S]
+        for call in calls:
+            args += [call.key, call.entry, call.request.id or ""]
+        try:
+            cancelled = await self._cancel(keys=[self.keys.jobs], args=args)
+        except RedisError as exc:
+            logger.warning("could not cancel %d calls: %s", len(calls), exc)
+            return
+        for call, done in zip(calls, cancelled, strict=True):
+            if done:
+                self._waiting.pop(call.key, None)
+                deadline = call.request.deadline_s
+                call.answer(ExecResult(
+                    id=call.request.id, status=Status.overloaded, started=False,
+                    message=f"no worker started the call within its deadline of {deadline:g}s; not run"
+                    if deadline is not None else "cancelled before it started: the caller went away"))
+
+    # --- reading results ------------------------------------------------------------------------
+
+    async def _read_replies(self) -> None:
+        while True:
+            try:
+                got: Any = await self._reader.blmpop(1, 1, self.reply, direction="RIGHT", count=1000)
+            except RedisError as exc:
+                await self._reconnect(exc)
+                continue
+            if got is None:
+                continue
+            for item in got[1]:
+                job, _, body = item.partition("\n")
+                call = self._waiting.pop(job, None)
+                if call is not None:
+                    call.answer(ExecResult.model_validate_json(body))
+
+    async def _reconnect(self, exc: BaseException) -> None:
+        """Wait for Redis to answer again; after a restart, answer the calls it lost."""
+        if self._down is None:
+            logger.error("Redis unreachable: %s", exc, extra={"event": "redis_down"})
+        self._down = str(exc) or type(exc).__name__
+        delay = 0.1
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+            try:
+                run_id = (await self._r.info("server"))["run_id"]
+                await ensure_group(self._r, self.keys)
+            except RedisError:
+                continue
+            break
+        restarted = run_id != self._run_id
+        self._run_id = run_id
+        logger.warning("Redis reachable again%s", " (it restarted)" if restarted else "",
+                       extra={"event": "redis_up", "restarted": restarted})
+        if restarted:
+            await self._answer_lost_calls()
+        self._down = None
+
+    async def _answer_lost_calls(self) -> None:
+        """After a restart, calls whose job and marker are both gone will never be answered."""
+        calls = [c for c in self._waiting.values() if c.entry]
+        if not calls:
+            return
+        async with self._r.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.exists(self.keys.started(call.key))
+                pipe.xrange(self.keys.jobs, call.entry, call.entry, count=1)
+            found = await pipe.execute()
+        lost = 0
+        for i, call in enumerate(calls):
+            if not found[2 * i] and not found[2 * i + 1]:
+                self._waiting.pop(call.key, None)
+                call.answer(self._lost(call.request, "Redis restarted and lost the call"))
+                lost += 1
+        if lost:
+            logger.error("Redis restarted: %d calls lost", lost, extra={"event": "calls_lost", "calls": lost})
+
+    @staticmethod
+    def _lost(request: ExecRequest, why: str) -> ExecResult:
+        return ExecResult(id=request.id, status=Status.internal_error, started=True,
+                          message=f"{why}; it may have run, so it is not run again by the service")
+
+    # --- gauges and readiness -------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_EVERY_S)
+            try:
+                await self._refresh_snapshot()
+            except RedisError:
+                pass
+
+    async def _refresh_snapshot(self) -> None:
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.workers)
+            pipe.xinfo_groups(self.keys.jobs)
+            pipe.xlen(self.keys.jobs)
+            pipe.time()
+            workers, groups, length, now = await pipe.execute()
+        names = list(workers)
+        group = next((g for g in groups if g["name"] == GROUP), None)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(self.keys.alive(name))
+            if group is not None:
+                pipe.xrange(self.keys.jobs, f"({group['last-delivered-id']}", "+", count=1)
+            found = await pipe.execute()
+        live = [json.loads(workers[n]) for n, alive in zip(names, found, strict=False) if alive]
+        oldest = 0.0
+        if group is not None and found[len(names):] and found[-1]:
+            entry_ms = int(found[-1][0][0].split("-")[0])
+            oldest = max(0.0, now[0] + now[1] / 1e6 - entry_ms / 1000)
+        self._snapshot = {
+            "slots": sum(w["slots"] for w in live), "free_slots": sum(w["free"] for w in live),
+            "slot_restarts": sum(w["restarts"] for w in live), "calls_run": sum(w["calls"] for w in live),
+            # Entries not yet delivered to a worker ("lag" is unknown once entries are deleted).
+            "waiting": max(0, length - group["pending"]) if group is not None else 0, "oldest_wait_s": oldest,
+            "workers": len(live),
+        }
+
+
+def worker_stats(slots: int, free: int, restarts: int, calls: int) -> str:
+    return json.dumps({"slots": slots, "free": free, "restarts": restarts, "calls": calls,
+                       "host": socket.gethostname(), "pid": os.getpid()})

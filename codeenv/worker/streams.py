@@ -1,0 +1,405 @@
+"""A worker of the Redis Streams queue: claims jobs for its free slots and writes their results.
+
+Usage::
+
+    worker = StreamWorker(QueueSettings(redis_url="redis://127.0.0.1:6379/0"))
+    await worker.start()
+    await worker.stopped()            # until worker.stop() (codeenv worker: on SIGTERM)
+
+At most once: a job runs only after this worker set its ``started`` marker (SET NX) with a slot
+already held; whoever sets the marker first owns the job, so a job claimed twice (a reclaim racing
+a slow worker, a duplicated write) runs once, and a gateway cancels a job only if nobody marked it.
+A worker whose heartbeat stops is dead: any live worker takes over its pending jobs, runs those it
+never marked, and answers those it marked with ``started: true``: they are never run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from codeenv.errors import InvalidRequest, PoolClosed
+from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.streams import (
+    DONE_TTL_S,
+    GROUP,
+    REPLY_TTL_S,
+    Keys,
+    connect,
+    encode_reply,
+    ensure_group,
+    redacted,
+    worker_stats,
+)
+from codeenv.sandbox.pool import SlotPool
+from codeenv.settings import QueueSettings
+
+logger = logging.getLogger(__name__)
+
+#: How long a result write is retried while Redis is unreachable before the result is given up.
+PUBLISH_RETRY_S = 120.0
+#: Read by the claim loop's XREADGROUP: how long one blocking read waits for new jobs.
+CLAIM_BLOCK_MS = 1000
+#: Answered by `before_start` when the job belongs to someone else (or was cancelled): drop it.
+_NOT_OURS = ExecResult(status=Status.overloaded, message="not ours")
+
+
+class _Job:
+    __slots__ = ("entry", "payload_text", "key", "reply", "call_id", "enqueued", "request_json", "dispatched",
+                 "task")
+
+    def __init__(self, entry: str, payload_text: str) -> None:
+        payload = json.loads(payload_text)
+        self.entry = entry
+        self.payload_text = payload_text
+        self.key: str = payload["job"]
+        self.reply: str = payload["reply"]
+        self.call_id: str | None = payload.get("cid")
+        self.enqueued: float = payload["t"]
+        self.request_json: Any = payload["req"]
+        self.dispatched = False
+        self.task: asyncio.Task[None] | None = None
+
+
+class StreamWorker:
+    """One worker process: a slot pool fed from the jobs stream through the consumer group."""
+
+    def __init__(self, settings: QueueSettings, pool: SlotPool | None = None) -> None:
+        if settings.redis_url is None:
+            raise ValueError("a worker needs settings.redis_url")
+        self.settings = settings
+        self.pool = pool if pool is not None else SlotPool(settings)
+        self._own_pool = pool is None
+        self.keys = Keys(settings.redis_prefix)
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._r = connect(settings)
+        self._blocking = connect(settings)  # XREADGROUP BLOCK holds its connection
+        self._held: dict[str, _Job] = {}  # entry id -> job claimed and not yet answered
+        self._ran: set[str] = set()  # job keys marked started by us whose result is not yet written
+        self._room = asyncio.Event()
+        self._rescan = False  # read our own pending entries again (after a lost connection)
+        self._stopping = False
+        self._stopped = asyncio.Event()
+        self._force = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+        self.marker_ttl_s = int(settings.caps.wall_s + settings.kill_grace_s + settings.cleanup_timeout_s + 60)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pool.slots)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._own_pool:
+            await self.pool.start()
+        try:
+            await ensure_group(self._r, self.keys)
+            await self._beat()
+        except RedisError as exc:
+            if self._own_pool:
+                await self.pool.close()
+            raise RuntimeError(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
+        self._loops = [asyncio.create_task(self._claim_loop(), name="codeenv-claim"),
+                       asyncio.create_task(self._heartbeat_loop(), name="codeenv-heartbeat"),
+                       asyncio.create_task(self._reclaim_loop(), name="codeenv-reclaim")]
+        logger.info("worker %s: %d slots, claiming from %s", self.name, self.capacity,
+                    redacted(self.settings.redis_url))
+
+    async def stopped(self) -> None:
+        await self._stopped.wait()
+
+    def force(self) -> None:
+        """Cut a graceful stop short: calls still running are killed (and answered by a reclaimer)."""
+        self._force.set()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop claiming; hand jobs that have not started back at once; give started ones `grace_s`."""
+        if self._stopping:
+            return
+        self._stopping = True
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        claim = self._loops[0] if self._loops else None
+        if claim is not None:
+            claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)
+        await self._hand_back([j for j in self._held.values() if not j.dispatched])
+        running: list[asyncio.Future[Any]] = [j.task for j in self._held.values() if j.task is not None]
+        if running and grace > 0 and not self._force.is_set():
+            forced: asyncio.Future[Any] = asyncio.ensure_future(self._force.wait())
+            finished: asyncio.Future[Any] = asyncio.gather(*running, return_exceptions=True)
+            await asyncio.wait([finished, forced], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            forced.cancel()
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self._own_pool:
+            await self.pool.close()  # kills what still runs; those calls are answered by a reclaimer
+        for job in list(self._held.values()):
+            if job.task is not None:
+                job.task.cancel()
+        await asyncio.gather(*(j.task for j in self._held.values() if j.task is not None), return_exceptions=True)
+        try:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.delete(self.keys.alive(self.name))
+                pipe.hdel(self.keys.workers, self.name)
+                await pipe.execute()
+        except RedisError:
+            pass
+        await self._r.aclose()
+        await self._blocking.aclose()
+        logger.info("worker %s stopped", self.name)
+        self._stopped.set()
+
+    async def _hand_back(self, jobs: list[_Job]) -> None:
+        """Put claimed jobs that never reached a slot back in the stream, for other workers."""
+        if not jobs:
+            return
+        for job in jobs:
+            if job.task is not None:
+                job.task.cancel()
+        await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
+        try:
+            async with self._r.pipeline(transaction=True) as pipe:
+                for job in jobs:
+                    pipe.xadd(self.keys.jobs, {"job": job.payload_text})
+                    pipe.xack(self.keys.jobs, GROUP, job.entry)
+                    pipe.xdel(self.keys.jobs, job.entry)
+                await pipe.execute()
+            logger.info("handed %d unstarted jobs back", len(jobs), extra={"event": "hand_back", "jobs": len(jobs)})
+        except RedisError as exc:
+            logger.warning("could not hand %d jobs back (%s); other workers will reclaim them", len(jobs), exc)
+        for job in jobs:
+            self._held.pop(job.entry, None)
+
+    # --- claiming -------------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        delay = 0.1
+        while True:
+            room = self.capacity - len(self._held)
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            got: Any
+            try:
+                if self._rescan:
+                    # Our own pending entries: jobs we claimed but could not mark or answer.
+                    got = await self._r.xreadgroup(GROUP, self.name, {self.keys.jobs: "0"},
+                                                   count=room + len(self._held))
+                    entries = [e for e in (got[0][1] if got else []) if e[0] not in self._held]
+                    self._rescan = len(entries) > room
+                    entries = entries[:room]
+                else:
+                    got = await self._blocking.xreadgroup(GROUP, self.name, {self.keys.jobs: ">"},
+                                                          count=room, block=CLAIM_BLOCK_MS)
+                    entries = got[0][1] if got else []
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                logger.warning("the consumer group is gone (Redis restarted?); creating it again")
+                try:
+                    await ensure_group(self._r, self.keys)
+                except RedisError:
+                    await asyncio.sleep(delay)
+                continue
+            except RedisError as exc:
+                logger.warning("claim failed: %s; retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+                self._rescan = True
+                continue
+            delay = 0.1
+            for entry, fields in entries:
+                self._take(entry, fields)
+
+    def _take(self, entry: str, fields: dict[str, str] | None, delivered: int = 1,
+              dead_owner: str | None = None) -> None:
+        if not fields or "job" not in fields:  # deleted while pending (cancelled): nothing to run
+            self._spawn_ack(entry)
+            return
+        try:
+            job = _Job(entry, fields["job"])
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.error("dropping malformed job %s: %s", entry, exc)
+            self._spawn_ack(entry)
+            return
+        self._held[entry] = job
+        job.task = asyncio.create_task(self._handle(job, delivered, dead_owner))
+
+    def _spawn_ack(self, entry: str) -> None:
+        async def ack() -> None:
+            try:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.xack(self.keys.jobs, GROUP, entry)
+                    pipe.xdel(self.keys.jobs, entry)
+                    await pipe.execute()
+            except RedisError:
+                self._rescan = True
+        task = asyncio.create_task(ack())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    # --- running one job ------------------------------------------------------------------------
+
+    async def _handle(self, job: _Job, delivered: int, dead_owner: str | None) -> None:
+        try:
+            result = await self._run(job, delivered, dead_owner)
+            if result is _NOT_OURS:
+                self._spawn_ack(job.entry)
+            elif result is not None:
+                await self._publish(job, result)
+        except asyncio.CancelledError:
+            raise
+        except RedisError as exc:
+            # Not marked (or not known to be): the entry stays ours and is read again once Redis answers.
+            logger.warning("job %s postponed: %s", job.key, exc)
+            self._rescan = True
+        except Exception:
+            logger.exception("job %s failed in the worker", job.key)
+        finally:
+            if job.key not in self._ran:
+                self._held.pop(job.entry, None)
+                self._room.set()
+
+    async def _run(self, job: _Job, delivered: int, dead_owner: str | None) -> ExecResult | None:
+        started_key = self.keys.started(job.key)
+        if dead_owner is not None:
+            owner: Any = await self._r.get(started_key)
+            if owner in ("cancelled", "done"):
+                return _NOT_OURS
+            if owner is not None:
+                return ExecResult(id=job.call_id, status=Status.internal_error, started=True,
+                                  message=f"the worker running the call ({owner}) died; it is not run again")
+            if delivered >= 2:
+                if not await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
+                    return _NOT_OURS
+                return ExecResult(id=job.call_id, status=Status.internal_error, started=False,
+                                  message=f"{delivered} workers died holding the call before it started; "
+                                          "it is not tried again")
+        try:
+            request = ExecRequest.model_validate(job.request_json)
+        except ValueError as exc:
+            return ExecResult(id=job.call_id, status=Status.rejected, message=str(exc))
+        waited = max(0.0, time.time() - job.enqueued)
+        if request.deadline_s is not None:
+            remaining = request.deadline_s - waited
+            if remaining <= 0:
+                if not await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
+                    return _NOT_OURS
+                return ExecResult(id=request.id, status=Status.overloaded, started=False,
+                                  message=f"the call waited {waited:.3g}s in the queue, past its deadline of "
+                                          f"{request.deadline_s:g}s; not run")
+            request = request.model_copy(update={"deadline_s": remaining})
+
+        def on_dispatch() -> None:
+            job.dispatched = True
+
+        async def mark() -> ExecResult | None:
+            if not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
+                owner = await self._r.get(started_key)
+                if owner != self.name or job.key in self._ran:
+                    return _NOT_OURS
+                # Our own mark, whose reply was lost: the call never ran.
+            self._ran.add(job.key)
+            logger.debug("start", extra={"event": "start", "job": job.key, "id": job.call_id})
+            return None
+
+        try:
+            result = await self.pool.run(request, on_dispatch=on_dispatch, before_start=mark)
+        except InvalidRequest as exc:
+            return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
+        except PoolClosed:
+            return None  # stopping: a reclaimer answers it (or it was handed back)
+        if result is not _NOT_OURS:
+            result.queue_s = round(result.queue_s + waited, 6)
+        return result
+
+    async def _publish(self, job: _Job, result: ExecResult) -> None:
+        """Write the result, ack and delete the entry, in one transaction; retried while Redis is away."""
+        body = result.model_dump_json()
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.lpush(job.reply, encode_reply(job.key, body))
+                    pipe.expire(job.reply, REPLY_TTL_S)
+                    if job.call_id is not None:
+                        pipe.set(self.keys.result(job.call_id), body, ex=int(self.settings.results_ttl_s))
+                        if not result.started:  # never ran: the id may be sent again as a new call
+                            pipe.delete(self.keys.call(job.call_id))
+                    pipe.xack(self.keys.jobs, GROUP, job.entry)
+                    pipe.xdel(self.keys.jobs, job.entry)
+                    pipe.set(self.keys.started(job.key), "done", ex=DONE_TTL_S)
+                    await pipe.execute(raise_on_error=False)  # a missing group (Redis restarted) is fine
+                break
+            except RedisError as exc:
+                if time.monotonic() > deadline:
+                    logger.error("gave up writing the result of job %s: %s", job.key, exc)
+                    return  # stays in _ran: never run again here
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        self._ran.discard(job.key)
+
+    # --- liveness and reclaiming ----------------------------------------------------------------
+
+    async def _beat(self) -> None:
+        pool = self.pool
+        stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, sum(pool.stats.values()))
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.alive(self.name), stats, px=int(self.settings.worker_dead_after_s * 1000))
+            pipe.hset(self.keys.workers, self.name, stats)
+            await pipe.execute()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self._beat()
+            except RedisError as exc:
+                logger.warning("heartbeat failed: %s", exc)
+
+    async def _reclaim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self._reclaim()
+            except RedisError as exc:
+                logger.debug("reclaim skipped: %s", exc)
+
+    async def _reclaim(self) -> None:
+        """Take over the pending jobs of workers whose heartbeat expired."""
+        try:
+            consumers = await self._r.xinfo_consumers(self.keys.jobs, GROUP)
+        except ResponseError:
+            return  # no group yet (Redis restarted): the claim loop recreates it
+        dead_after_ms = int(self.settings.worker_dead_after_s * 1000)
+        for consumer in consumers:
+            name = consumer["name"]
+            if name == self.name or await self._r.exists(self.keys.alive(name)):
+                continue
+            if consumer["pending"] == 0:
+                if consumer["idle"] > dead_after_ms:
+                    await self._r.xgroup_delconsumer(self.keys.jobs, GROUP, name)
+                    await self._r.hdel(self.keys.workers, name)
+                continue
+            pending: Any = await self._r.xpending_range(self.keys.jobs, GROUP, "-", "+", 1000, consumername=name)
+            delivered = {p["message_id"]: p["times_delivered"] for p in pending}
+            # The idle floor keeps two reclaimers from taking the same entry: a claim resets it.
+            claimed: Any = await self._r.xclaim(self.keys.jobs, GROUP, self.name,
+                                           min_idle_time=int(self.settings.heartbeat_s * 1000),
+                                           message_ids=list(delivered))
+            if claimed:
+                logger.warning("took over %d jobs of dead worker %s", len(claimed), name,
+                               extra={"event": "reclaim", "jobs": len(claimed), "dead": name})
+            for entry, fields in claimed:
+                self._take(entry, fields, delivered.get(entry, 1), dead_owner=name)
