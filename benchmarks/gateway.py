@@ -1,11 +1,12 @@
-"""The HTTP gateway (embedded mode) against the slot pool called directly, in one run.
+"""The HTTP gateway (embedded and Redis Streams) against the slot pool called directly, in one run.
 
     python benchmarks/gateway.py [--slots N] [--rounds R] [--json out.json]
 
 Throughput of `print(1)` in batches of 32 from 8 concurrent clients, through `codeenv serve` (a real
-uvicorn process, real HTTP on 127.0.0.1) and through `SlotPool.run` in this process; single-call
-round-trip p50 over HTTP against a bare `python3 -c pass`; and the gateway's CPU per call (from
-/proc). The two take turns, round after round; figures are medians.
+uvicorn process, real HTTP on 127.0.0.1), through `codeenv serve --redis` (a private redis-server,
+the worker in the gateway's process) and through `SlotPool.run` in this process; single-call
+round-trip p50 over HTTP against a bare `python3 -c pass`; and the server's (and Redis's) CPU per
+call (from /proc). The two take turns, round after round; figures are medians.
 """
 
 from __future__ import annotations
@@ -57,41 +58,70 @@ async def http_throughput(c: httpx.AsyncClient, server_pid: int) -> tuple[float,
     return calls / (time.perf_counter() - t0), (_cpu_s(server_pid) - cpu0) / calls
 
 
+def _start_server(port: int, slots: int, uid_offset: int, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, CODEENV_UID_BASE=str(SandboxSettings().uid_base + uid_offset))
+    return subprocess.Popen(
+        [sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", str(slots),
+         "--log-level", "warning", *extra], env=env, stderr=subprocess.DEVNULL)
+
+
+async def _wait_ready(c: httpx.AsyncClient) -> None:
+    for _ in range(900):
+        try:
+            if (await c.get("/readyz")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{c.base_url} never became ready")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--port", type=int, default=18931)
+    parser.add_argument("--port", type=int, default=18931, help="embedded gateway; +1: Redis gateway, +2: Redis")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console()
-    base = SandboxSettings()
-    env = dict(os.environ, CODEENV_UID_BASE=str(base.uid_base + 700))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "codeenv.cli", "serve", "--port", str(args.port), "--slots", str(args.slots),
-         "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL)
+    redis_port = args.port + 2
+    redis_server = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    servers = {
+        "http": _start_server(args.port, args.slots, 700),
+        # Redis Streams with the worker in the gateway's process: one pool, as in the embedded case.
+        "redis": _start_server(args.port + 1, args.slots, 720, "--redis", f"redis://127.0.0.1:{redis_port}/0"),
+    }
     samples: dict[str, list[float]] = {}
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as c, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port + 1}", timeout=120) as rc, \
                 SlotPool(SandboxSettings(slots=args.slots)) as pool:
-            for _ in range(600):
-                try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+            await _wait_ready(c)
+            await _wait_ready(rc)
             for _ in range(args.rounds):
                 samples.setdefault("direct_per_s", []).append(await direct_throughput(pool))
-                per_s, cpu = await http_throughput(c, server.pid)
-                samples.setdefault("http_per_s", []).append(per_s)
-                samples.setdefault("gateway_cpu_ms_per_call", []).append(1000 * cpu)
+                for name, client in (("http", c), ("redis", rc)):
+                    redis_cpu0 = _cpu_s(redis_server.pid)
+                    per_s, cpu = await http_throughput(client, servers[name].pid)
+                    samples.setdefault(f"{name}_per_s", []).append(per_s)
+                    samples.setdefault(f"{name}_service_cpu_ms_per_call", []).append(1000 * cpu)
+                    if name == "redis":
+                        calls = CLIENTS * BATCHES_PER_CLIENT * BATCH
+                        samples.setdefault("redis_db_cpu_ms_per_call", []).append(
+                            1000 * (_cpu_s(redis_server.pid) - redis_cpu0) / calls)
                 rtts = []
                 for _ in range(50):
                     t0 = time.perf_counter()
                     (await c.post("/v1/execute", json={"code": "print(1)"})).raise_for_status()
                     rtts.append(time.perf_counter() - t0)
                 samples.setdefault("http_p50_ms", []).append(1000 * statistics.median(rtts))
+                rtts = []
+                for _ in range(50):
+                    t0 = time.perf_counter()
+                    (await rc.post("/v1/execute", json={"code": "print(1)"})).raise_for_status()
+                    rtts.append(time.perf_counter() - t0)
+                samples.setdefault("redis_p50_ms", []).append(1000 * statistics.median(rtts))
                 bare = []
                 for _ in range(20):
                     t0 = time.perf_counter()
@@ -99,10 +129,15 @@ async def main() -> None:
                     bare.append(time.perf_counter() - t0)
                 samples.setdefault("bare_python_ms", []).append(1000 * statistics.median(bare))
     finally:
-        server.terminate()
-        server.wait(60)
+        for server in servers.values():
+            server.terminate()
+        for server in servers.values():
+            server.wait(60)
+        redis_server.terminate()
+        redis_server.wait(10)
     figures = {k: statistics.median(v) for k, v in samples.items()}
     figures["http_vs_direct"] = figures["http_per_s"] / figures["direct_per_s"]
+    figures["redis_vs_direct"] = figures["redis_per_s"] / figures["direct_per_s"]
     figures["http_p50_vs_bare_python"] = figures["http_p50_ms"] / figures["bare_python_ms"]
     for k, v in figures.items():
         console.print(f"{k}: [bold]{v:.2f}[/]")

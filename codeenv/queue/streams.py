@@ -100,7 +100,7 @@ for i = 4, #ARGV, 4 do
   elseif depth >= maxq then
     out[#out + 1] = ''
   else
-    local entry = redis.call('XADD', KEYS[1], '*', 'job', ARGV[i + 3])
+    local entry = redis.call('XADD', KEYS[1], '*', 'k', ARGV[i], 'job', ARGV[i + 3])
     depth = depth + 1
     if cid ~= '' then
       redis.call('SET', ARGV[3] .. ':call:' .. cid, ARGV[i + 2] .. ' ' .. ARGV[i] .. ' ' .. entry, 'EX', ARGV[2])
@@ -126,6 +126,45 @@ for i = 4, #ARGV, 3 do
   end
 end
 return out
+"""
+
+
+# KEYS[1]: the jobs stream. ARGV: group, consumer, count, prefix, marker_ttl_s. Claims up to `count`
+# new entries (entries hold the fields k, job) and marks each started by this consumer, in one round
+# trip: the worker claims only as many as it has free slots, so each goes to a slot at once. Answers
+# (entry, payload, 1 if marked else 0) per entry; 0: someone else owns it or it was cancelled.
+CLAIM = """
+local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+local out = {}
+if not got then return out end
+for _, e in ipairs(got[1][2]) do
+  local fields = e[2]
+  local marked = redis.call('SET', ARGV[4] .. ':started:' .. fields[2], ARGV[2], 'NX', 'EX', ARGV[5])
+  out[#out + 1] = e[1]
+  out[#out + 1] = fields[4]
+  out[#out + 1] = marked and 1 or 0
+end
+return out
+"""
+
+
+# KEYS[1]: the jobs stream. ARGV: group, consumer, prefix, then (entry, job, payload) per job that a
+# stopping worker claimed and never ran. Each goes back to the stream as a new entry, unless someone
+# else marked it meanwhile (a gateway cancelled it): the marker decides, as everywhere.
+HAND_BACK = """
+local n = 0
+for i = 4, #ARGV, 3 do
+  local marker = ARGV[3] .. ':started:' .. ARGV[i + 1]
+  local owner = redis.call('GET', marker)
+  if not owner or owner == ARGV[2] then
+    redis.call('DEL', marker)
+    redis.call('XADD', KEYS[1], '*', 'k', ARGV[i + 1], 'job', ARGV[i + 2])
+    n = n + 1
+  end
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+end
+return n
 """
 
 
@@ -319,10 +358,13 @@ class RedisQueue:
             try:
                 outcome = await self._submit(keys=[self.keys.jobs], args=args)
             except RedisError as exc:
-                # The write may or may not have happened: the call may run, so it says started.
                 for call in chunk:
                     self._waiting.pop(call.key, None)
-                    call.answer(self._lost(call.request, f"the queue failed while taking the call ({exc})"))
+                    if _never_sent(exc):
+                        call.answer(ExecResult(id=call.request.id, status=Status.overloaded, started=False,
+                                               message=f"the queue is unreachable ({exc}); retry later"))
+                    else:  # the write may have happened: the call may run, so it says started
+                        call.answer(self._lost(call.request, f"the queue failed while taking the call ({exc})"))
                 continue
             for call, answer in zip(chunk, outcome, strict=True):
                 if answer == "":
@@ -508,6 +550,16 @@ class RedisQueue:
             "waiting": max(0, length - group["pending"]) if group is not None else 0, "oldest_wait_s": oldest,
             "workers": len(live),
         }
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """Whether a Redis error happened while connecting (so the command never reached Redis)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError | socket.gaierror):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def worker_stats(slots: int, free: int, restarts: int, calls: int) -> str:

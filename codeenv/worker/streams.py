@@ -29,8 +29,10 @@ from redis.exceptions import RedisError, ResponseError
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.streams import (
+    CLAIM,
     DONE_TTL_S,
     GROUP,
+    HAND_BACK,
     REPLY_TTL_S,
     Keys,
     connect,
@@ -53,10 +55,10 @@ _NOT_OURS = ExecResult(status=Status.overloaded, message="not ours")
 
 
 class _Job:
-    __slots__ = ("entry", "payload_text", "key", "reply", "call_id", "enqueued", "request_json", "dispatched",
-                 "task")
+    __slots__ = ("entry", "payload_text", "key", "reply", "call_id", "enqueued", "request_json", "marked",
+                 "in_pool", "dispatched", "task")
 
-    def __init__(self, entry: str, payload_text: str) -> None:
+    def __init__(self, entry: str, payload_text: str, marked: bool) -> None:
         payload = json.loads(payload_text)
         self.entry = entry
         self.payload_text = payload_text
@@ -65,6 +67,8 @@ class _Job:
         self.call_id: str | None = payload.get("cid")
         self.enqueued: float = payload["t"]
         self.request_json: Any = payload["req"]
+        self.marked = marked  # started marker set by the claim itself
+        self.in_pool = False  # waiting in the pool for a slot (only such a job may be handed back)
         self.dispatched = False
         self.task: asyncio.Task[None] | None = None
 
@@ -83,6 +87,8 @@ class StreamWorker:
         self._r = connect(settings)
         self._blocking = connect(settings)  # XREADGROUP BLOCK holds its connection
         self._held: dict[str, _Job] = {}  # entry id -> job claimed and not yet answered
+        self._active = 0  # jobs claimed and not yet out of the pool (what claims count against)
+        self._claim = self._r.register_script(CLAIM)
         self._ran: set[str] = set()  # job keys marked started by us whose result is not yet written
         self._room = asyncio.Event()
         self._rescan = False  # read our own pending entries again (after a lost connection)
@@ -131,7 +137,7 @@ class StreamWorker:
         if claim is not None:
             claim.cancel()
             await asyncio.gather(claim, return_exceptions=True)
-        await self._hand_back([j for j in self._held.values() if not j.dispatched])
+        await self._hand_back([j for j in self._held.values() if j.in_pool and not j.dispatched])
         running: list[asyncio.Future[Any]] = [j.task for j in self._held.values() if j.task is not None]
         if running and grace > 0 and not self._force.is_set():
             forced: asyncio.Future[Any] = asyncio.ensure_future(self._force.wait())
@@ -167,14 +173,12 @@ class StreamWorker:
             if job.task is not None:
                 job.task.cancel()
         await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
+        args: list[str] = [GROUP, self.name, self.keys.prefix]
+        for job in jobs:
+            args += [job.entry, job.key, job.payload_text]
         try:
-            async with self._r.pipeline(transaction=True) as pipe:
-                for job in jobs:
-                    pipe.xadd(self.keys.jobs, {"job": job.payload_text})
-                    pipe.xack(self.keys.jobs, GROUP, job.entry)
-                    pipe.xdel(self.keys.jobs, job.entry)
-                await pipe.execute()
-            logger.info("handed %d unstarted jobs back", len(jobs), extra={"event": "hand_back", "jobs": len(jobs)})
+            handed = await self._r.eval(HAND_BACK, 1, self.keys.jobs, *args)
+            logger.info("handed %d unstarted jobs back", handed, extra={"event": "hand_back", "jobs": handed})
         except RedisError as exc:
             logger.warning("could not hand %d jobs back (%s); other workers will reclaim them", len(jobs), exc)
         for job in jobs:
@@ -185,7 +189,7 @@ class StreamWorker:
     async def _claim_loop(self) -> None:
         delay = 0.1
         while True:
-            room = self.capacity - len(self._held)
+            room = self.capacity - self._active
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()
@@ -196,13 +200,19 @@ class StreamWorker:
                     # Our own pending entries: jobs we claimed but could not mark or answer.
                     got = await self._r.xreadgroup(GROUP, self.name, {self.keys.jobs: "0"},
                                                    count=room + len(self._held))
-                    entries = [e for e in (got[0][1] if got else []) if e[0] not in self._held]
+                    entries = [(e, f, False) for e, f in (got[0][1] if got else []) if e not in self._held]
                     self._rescan = len(entries) > room
                     entries = entries[:room]
                 else:
-                    got = await self._blocking.xreadgroup(GROUP, self.name, {self.keys.jobs: ">"},
-                                                          count=room, block=CLAIM_BLOCK_MS)
-                    entries = got[0][1] if got else []
+                    # Claim and mark in one round trip; when nothing waits, block for the next job.
+                    flat = await self._claim(keys=[self.keys.jobs], args=[
+                        GROUP, self.name, room, self.keys.prefix, self.marker_ttl_s])
+                    if flat:
+                        entries = [(flat[i], {"job": flat[i + 1]}, bool(flat[i + 2])) for i in range(0, len(flat), 3)]
+                    else:
+                        got = await self._blocking.xreadgroup(GROUP, self.name, {self.keys.jobs: ">"},
+                                                              count=room, block=CLAIM_BLOCK_MS)
+                        entries = [(e, f, False) for e, f in (got[0][1] if got else [])]
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -219,21 +229,22 @@ class StreamWorker:
                 self._rescan = True
                 continue
             delay = 0.1
-            for entry, fields in entries:
-                self._take(entry, fields)
+            for entry, fields, marked in entries:
+                self._take(entry, fields, marked)
 
-    def _take(self, entry: str, fields: dict[str, str] | None, delivered: int = 1,
+    def _take(self, entry: str, fields: dict[str, str] | None, marked: bool, delivered: int = 1,
               dead_owner: str | None = None) -> None:
         if not fields or "job" not in fields:  # deleted while pending (cancelled): nothing to run
             self._spawn_ack(entry)
             return
         try:
-            job = _Job(entry, fields["job"])
+            job = _Job(entry, fields["job"], marked)
         except (ValueError, KeyError, TypeError) as exc:
             logger.error("dropping malformed job %s: %s", entry, exc)
             self._spawn_ack(entry)
             return
         self._held[entry] = job
+        self._active += 1
         job.task = asyncio.create_task(self._handle(job, delivered, dead_owner))
 
     def _spawn_ack(self, entry: str) -> None:
@@ -252,7 +263,11 @@ class StreamWorker:
 
     async def _handle(self, job: _Job, delivered: int, dead_owner: str | None) -> None:
         try:
-            result = await self._run(job, delivered, dead_owner)
+            try:
+                result = await self._run(job, delivered, dead_owner)
+            finally:
+                self._active -= 1  # the slot is free again: claim the next job while this one is written
+                self._room.set()
             if result is _NOT_OURS:
                 self._spawn_ack(job.entry)
             elif result is not None:
@@ -268,7 +283,6 @@ class StreamWorker:
         finally:
             if job.key not in self._ran:
                 self._held.pop(job.entry, None)
-                self._room.set()
 
     async def _run(self, job: _Job, delivered: int, dead_owner: str | None) -> ExecResult | None:
         started_key = self.keys.started(job.key)
@@ -304,7 +318,9 @@ class StreamWorker:
             job.dispatched = True
 
         async def mark() -> ExecResult | None:
-            if not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
+            if job.marked:
+                pass
+            elif not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
                 owner = await self._r.get(started_key)
                 if owner != self.name or job.key in self._ran:
                     return _NOT_OURS
@@ -313,12 +329,15 @@ class StreamWorker:
             logger.debug("start", extra={"event": "start", "job": job.key, "id": job.call_id})
             return None
 
+        job.in_pool = True
         try:
             result = await self.pool.run(request, on_dispatch=on_dispatch, before_start=mark)
         except InvalidRequest as exc:
             return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
         except PoolClosed:
             return None  # stopping: a reclaimer answers it (or it was handed back)
+        finally:
+            job.in_pool = False
         if result is not _NOT_OURS:
             result.queue_s = round(result.queue_s + waited, 6)
         return result
@@ -402,4 +421,4 @@ class StreamWorker:
                 logger.warning("took over %d jobs of dead worker %s", len(claimed), name,
                                extra={"event": "reclaim", "jobs": len(claimed), "dead": name})
             for entry, fields in claimed:
-                self._take(entry, fields, delivered.get(entry, 1), dead_owner=name)
+                self._take(entry, fields, False, delivered.get(entry, 1), dead_owner=name)

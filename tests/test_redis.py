@@ -1,0 +1,413 @@
+"""The Redis Streams queue: real redis-server (own port), real worker processes, real SIGKILLs.
+
+"Ran once" is counted outside the jails, from the workers' own log line per call started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from codeenv import ExecRequest, SandboxSettings, SlotPool
+from codeenv.api import create_app
+from codeenv.models import ExecResult
+from codeenv.queue.streams import GROUP, Keys, RedisQueue, encode_job
+from codeenv.settings import GatewaySettings
+from codeenv.worker import StreamWorker
+from tests.conftest import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+
+#: Fast failure detection for tests: a worker is dead 1 s after its last heartbeat.
+FAST = {"heartbeat_s": 0.2, "worker_dead_after_s": 1.0}
+UID_BASE = SandboxSettings().uid_base + 1000
+
+
+def settings_for(server: RedisServer, prefix: str, **extra: Any) -> GatewaySettings:
+    return GatewaySettings(slots=2, redis_url=server.url, redis_prefix=prefix, local_worker=False,
+                           **(FAST | extra))
+
+
+class WorkerProcess:
+    """`codeenv worker` in a process of its own, logging one JSON line per call started."""
+
+    def __init__(self, server: RedisServer, prefix: str, uid_offset: int, log: Path, slots: int = 2) -> None:
+        self.server, self.prefix, self.log = server, prefix, log
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CODEENV_REDIS_PREFIX": prefix,
+                    "CODEENV_UID_BASE": str(UID_BASE + uid_offset), "CODEENV_HEARTBEAT_S": "0.2",
+                    "CODEENV_WORKER_DEAD_AFTER_S": "1", "CODEENV_SLOTS": str(slots)}
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "codeenv.cli", "worker", "--redis", self.server.url, "--log-level", "debug",
+                env=self.env, stdout=asyncio.subprocess.DEVNULL, stderr=err)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    async def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        return await asyncio.wait_for(self.proc.wait(), 60)
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+    def started_ids(self) -> list[str]:
+        return [e["id"] for e in self.events() if e.get("event") == "start"]
+
+
+async def wait_for_workers(server: RedisServer, prefix: str, count: int, timeout: float = 90) -> None:
+    r = aioredis.Redis(port=server.port, decode_responses=True)
+    try:
+        for _ in range(int(timeout / 0.1)):
+            if len([k async for k in r.scan_iter(f"{prefix}:alive:*")]) >= count:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{count} workers did not come up")
+    finally:
+        await r.aclose()
+
+
+@pytest_asyncio.fixture
+async def prefix() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@pytest_asyncio.fixture
+async def local_worker(redis_server: RedisServer, pool: SlotPool, prefix: str) -> AsyncIterator[StreamWorker]:
+    worker = StreamWorker(settings_for(redis_server, prefix), pool=pool)
+    await worker.start()
+    yield worker
+    await worker.stop()
+
+
+@pytest_asyncio.fixture
+async def gateway(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisQueue]:
+    queue = RedisQueue(settings_for(redis_server, prefix))
+    await queue.start()
+    yield queue
+    await queue.close()
+
+
+def sleepy(i: int, seconds: float = 0.3) -> ExecRequest:
+    return ExecRequest(code=f"import time\ntime.sleep({seconds})\nprint({i})", id=f"call-{i}")
+
+
+async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
+        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+    workers = [WorkerProcess(redis_server, prefix, 10 * i, tmp_path / f"w{i}.log") for i in range(2)]
+    await asyncio.gather(*(w.start() for w in workers))
+    try:
+        await wait_for_workers(redis_server, prefix, 2)
+        batch = asyncio.ensure_future(gateway.submit([sleepy(i) for i in range(40)]))
+        await asyncio.sleep(1.0)  # both workers are busy
+        workers[0].kill()
+        results = await asyncio.wait_for(batch, 60)
+    finally:
+        for w in workers:
+            await w.stop()
+    started = Counter(workers[0].started_ids() + workers[1].started_ids())
+    assert set(started.values()) == {1}, "a call ran twice"
+    assert len(results) == 40
+    for i, result in enumerate(results):
+        assert result.id == f"call-{i}"
+        if result.status == "ok":
+            assert result.stdout == f"{i}\n"
+        else:  # it was running on the killed worker: answered, never rerun
+            assert result.status == "internal_error" and result.started, result
+            assert "died" in (result.message or "")
+            assert result.id in workers[0].started_ids()
+    lost = [r for r in results if r.status != "ok"]
+    assert 1 <= len(lost) <= 2, lost  # at most the killed worker's two slots were running
+    assert started[f"call-{39}"] == 1 and f"call-{39}" in workers[1].started_ids()
+
+
+async def test_the_dead_workers_pending_jobs_are_reclaimed(
+        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+    """Entries pending to workers that died: unmarked ones run, marked ones are answered, and one
+    that two workers died holding is not tried a third time."""
+    settings = settings_for(redis_server, prefix)
+    keys = Keys(prefix)
+    r = aioredis.Redis(port=redis_server.port, decode_responses=True)
+    reply = f"{prefix}:reply:test"
+    try:
+        await r.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+        for job, code in (("fresh", "print('ran here')"), ("marked", "print('must not run')"),
+                          ("poison", "print('must not run either')")):
+            request = ExecRequest(code=code, id=job)
+            await r.xadd(keys.jobs, {"k": job, "job": encode_job(job, reply, job, request.model_dump_json())})
+        got: Any = await r.xreadgroup(GROUP, "ghost-1", {keys.jobs: ">"}, count=3)
+        entries = {json.loads(f["job"])["job"]: e for e, f in got[0][1]}
+        await r.set(keys.started("marked"), "ghost-1")  # it had started when ghost-1 died
+        await asyncio.sleep(0.25)
+        await r.xclaim(keys.jobs, GROUP, "ghost-2", 0, [entries["poison"]])  # delivered twice
+        await asyncio.sleep(0.25)  # older than the reclaim idle floor
+        worker = StreamWorker(settings, pool=pool)
+        await worker.start()
+        try:
+            results: dict[str, ExecResult] = {}
+            for _ in range(100):
+                got = await r.blmpop(0.1, 1, reply, direction="RIGHT", count=10)
+                for item in got[1] if got else []:
+                    job, _, body = item.partition("\n")
+                    results[job] = ExecResult.model_validate_json(body)
+                if len(results) == 3:
+                    break
+        finally:
+            await worker.stop()
+        assert results["fresh"].status == "ok" and results["fresh"].stdout == "ran here\n"
+        assert results["marked"].status == "internal_error" and results["marked"].started
+        assert "ghost-1" in (results["marked"].message or "")
+        assert results["poison"].status == "internal_error" and not results["poison"].started
+        assert "not tried again" in (results["poison"].message or "")
+        assert await r.xlen(keys.jobs) == 0
+        assert not await r.xpending_range(keys.jobs, GROUP, "-", "+", 10)
+    finally:
+        await r.aclose()
+
+
+async def test_a_long_call_is_not_stolen_from_a_live_worker(
+        redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="codeenv.worker")
+    workers = [StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2)]
+    for w in workers:
+        await w.start()
+    try:
+        # 4 s: four times the time after which a silent worker counts as dead.
+        [result] = await asyncio.wait_for(gateway.submit([sleepy(0, 4.0)]), 30)
+    finally:
+        for w in workers:
+            await w.stop()
+    assert result.status == "ok" and result.wall_s >= 4.0
+    starts = [r for r in caplog.records if getattr(r, "event", None) == "start" and getattr(r, "id", None) == "call-0"]
+    assert len(starts) == 1
+
+
+async def test_two_workers_share_the_load(redis_server: RedisServer, gateway: RedisQueue, prefix: str,
+                                          tmp_path: Path) -> None:
+    workers = [WorkerProcess(redis_server, prefix, 100 + 10 * i, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
+    await asyncio.gather(*(w.start() for w in workers))
+    try:
+        await wait_for_workers(redis_server, prefix, 2)
+        results = await asyncio.wait_for(gateway.submit([sleepy(i, 0.05) for i in range(60)]), 60)
+    finally:
+        for w in workers:
+            assert await w.stop() == 0  # a graceful stop on SIGTERM
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(60)]
+    by_worker = Counter(r.worker.rsplit("/", 1)[0] for r in results)
+    assert len(by_worker) == 2 and min(by_worker.values()) >= 10, by_worker
+
+
+async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
+        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+    worker = WorkerProcess(redis_server, prefix, 200, tmp_path / "w.log")
+    await worker.start()
+    port = free_port()
+    env = dict(worker.env, CODEENV_UID_BASE=str(UID_BASE + 250))
+    first = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "codeenv.cli", "serve", "--redis", redis_server.url, "--no-local-worker",
+        "--port", str(port), "--log-level", "warning", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    requests = [sleepy(i, 0.4) for i in range(10)]
+    try:
+        await wait_for_workers(redis_server, prefix, 1)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            for _ in range(300):
+                try:
+                    if (await c.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
+            sent = asyncio.ensure_future(c.post("/v1/execute/batch", json=body))
+            await asyncio.sleep(0.6)
+            first.kill()  # mid-batch
+            with pytest.raises(httpx.TransportError):
+                await sent
+        results = await asyncio.wait_for(gateway.submit(requests), 60)  # a new gateway, the same ids
+    finally:
+        if first.returncode is None:
+            first.kill()
+        await first.wait()
+        await worker.stop()
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
+    assert Counter(worker.started_ids()) == Counter(f"call-{i}" for i in range(10))
+
+
+async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
+    server = RedisServer()
+    server.start()
+    settings = settings_for(server, prefix)
+    worker = StreamWorker(settings, pool=pool)
+    queue = RedisQueue(settings)
+    await worker.start()
+    await queue.start()
+    outcomes: list[ExecResult] = []
+    stop = asyncio.Event()
+
+    async def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            batch = [ExecRequest(code=f"import time\ntime.sleep(0.05)\nprint({n})", deadline_s=5) for _ in range(5)]
+            t0 = time.monotonic()
+            outcomes.extend(await queue.submit(batch))
+            assert time.monotonic() - t0 < 15, "a call hung past its deadline"
+            i += 1
+            await asyncio.sleep(0.05)
+
+    try:
+        clients = asyncio.gather(*(client(n) for n in range(3)))
+        await asyncio.sleep(1.0)
+        server.stop()  # SIGKILL: everything in it is gone
+        await asyncio.sleep(1.0)
+        server.start()
+        restarted = len(outcomes)
+        await asyncio.sleep(4.0)
+        stop.set()
+        await asyncio.wait_for(clients, 30)
+        after = outcomes[restarted:]
+        assert sum(r.status == "ok" for r in after) >= 10, Counter(r.status for r in after)
+        for r in outcomes:
+            assert r.status in ("ok", "overloaded", "internal_error"), r
+            if r.status == "overloaded":
+                assert not r.started
+            if r.status == "internal_error":
+                assert r.started and "Redis" in (r.message or "") or "queue" in (r.message or ""), r
+        [fresh] = await asyncio.wait_for(queue.submit([ExecRequest(code="print('back')")]), 10)
+        assert fresh.stdout == "back\n"
+        assert queue.ready()
+    finally:
+        await queue.close()
+        await worker.stop()
+        server.stop()
+
+
+async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
+        local_worker: StreamWorker, gateway: RedisQueue, pool: SlotPool) -> None:
+    gone = asyncio.Event()
+    batch = asyncio.ensure_future(gateway.submit(
+        [ExecRequest(code="import time\ntime.sleep(0.02)") for _ in range(1000)], gone))
+    await asyncio.sleep(0.5)
+    at_gone = sum(pool.stats.values())
+    gone.set()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    await asyncio.sleep(1.5)
+    ran_after = sum(pool.stats.values()) - at_gone
+    # What was running, plus at most one claim round.
+    assert ran_after <= 2 * len(pool.slots) + 1, ran_after
+    assert at_gone > 0
+
+
+async def test_a_full_queue_answers_overloaded_and_recovers(
+        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+    settings = settings_for(redis_server, prefix, max_queued=5)
+    queue = RedisQueue(settings)
+    await queue.start()
+    app = create_app(settings, queue)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+            waiting = asyncio.ensure_future(queue.submit([ExecRequest(code=f"print({i})") for i in range(5)]))
+            await asyncio.sleep(0.2)  # no worker yet: five calls fill the queue
+            r = await c.post("/v1/execute/batch", json={"requests": [{"code": "print(1)"}] * 3})
+            assert r.status_code == 429 and r.headers["retry-after"]
+            assert {x["status"] for x in r.json()["results"]} == {"overloaded"}
+            r = await c.post("/v1/execute", json={"code": "print(1)"})
+            assert r.status_code == 429 and not r.json()["started"]
+            assert (await c.get("/readyz")).status_code == 503  # no worker
+            worker = StreamWorker(settings, pool=pool)
+            await worker.start()
+            try:
+                assert [x.stdout for x in await asyncio.wait_for(waiting, 30)] == [f"{i}\n" for i in range(5)]
+                r = await c.post("/v1/execute", json={"code": "print('recovered')"})
+                assert r.status_code == 200 and r.json()["stdout"] == "recovered\n"
+            finally:
+                await worker.stop()
+    finally:
+        await queue.close()
+
+
+async def test_a_stopping_worker_hands_unstarted_calls_back(
+        redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="codeenv.worker")
+    # Two workers on one 2-slot pool: each claims two calls, so two wait for a slot in a worker.
+    first, second = (StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2))
+    await first.start()
+    await second.start()
+    batch = asyncio.ensure_future(gateway.submit([sleepy(i, 1.0) for i in range(4)]))
+    await asyncio.sleep(0.5)
+    t0 = time.monotonic()
+    await first.stop()
+    assert time.monotonic() - t0 < 5
+    results = await asyncio.wait_for(batch, 30)
+    await second.stop()
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+    starts = Counter(getattr(r, "id", None) for r in caplog.records if getattr(r, "event", None) == "start")
+    assert starts == Counter(f"call-{i}" for i in range(4))
+
+
+@pytest.mark.parametrize("mode", ["embedded", "redis"])
+async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: RedisServer, pool: SlotPool,
+                                                  prefix: str) -> None:
+    from tests.test_api import SharedPoolQueue
+
+    settings = settings_for(redis_server, prefix) if mode == "redis" else GatewaySettings(slots=2)
+    worker = StreamWorker(settings, pool=pool) if mode == "redis" else None
+    queue: Any = RedisQueue(settings) if mode == "redis" else SharedPoolQueue(pool, settings.max_queued)
+    if worker is not None:
+        await worker.start()
+        await queue.start()
+    app = create_app(settings, queue)
+    per_client, batch = 10_000 // 64 + 1, 16
+
+    async def client(c: httpx.AsyncClient, n: int) -> int:
+        done = 0
+        for start in range(0, per_client, batch):
+            ids = [f"{n}-{i}" for i in range(start, min(per_client, start + batch))]
+            r = await c.post("/v1/execute/batch", json={"requests": [{"code": f"print('{i}')", "id": i} for i in ids]})
+            assert r.status_code == 200
+            got = r.json()["results"]
+            assert [x["id"] for x in got] == ids and [x["stdout"] for x in got] == [f"{i}\n" for i in ids]
+            done += len(got)
+        return done
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv",
+                                     timeout=120) as c:
+            counts = await asyncio.wait_for(asyncio.gather(*(client(c, n) for n in range(64))), 240)
+        assert sum(counts) == 64 * per_client >= 10_000
+        if mode == "redis":
+            # Nothing is left behind without an expiry: Redis memory returns to its baseline.
+            r = aioredis.Redis(port=redis_server.port, decode_responses=True)
+            try:
+                assert await r.xlen(f"{prefix}:jobs") == 0
+                persistent = [k async for k in r.scan_iter(f"{prefix}:*", count=1000) if await r.ttl(k) == -1]
+                assert sorted(persistent) == sorted([f"{prefix}:jobs", f"{prefix}:workers"]), persistent[:5]
+            finally:
+                await r.aclose()
+    finally:
+        if worker is not None:
+            await queue.close()
+            await worker.stop()
