@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
 from codeenv.settings import LimitValues, SandboxSettings
@@ -125,3 +125,18 @@ class ExecResult(BaseModel):
     profile: str | None = None
     image: str | None = None
     message: str | None = None
+
+    _encoded: str | None = PrivateAttr(None)
+
+    @classmethod
+    def from_json(cls, encoded: str) -> ExecResult:
+        """Parse a result a worker encoded, keeping its encoding so that it is sent on as it is."""
+        result = cls.model_validate_json(encoded)
+        result._encoded = encoded
+        return result
+
+    def encoded(self) -> str:
+        """The result as JSON, encoded once."""
+        if self._encoded is None:
+            self._encoded = self.model_dump_json()
+        return self._encoded

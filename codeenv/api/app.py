@@ -185,9 +185,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         if result.status == Status.rejected:
             raise ApiError(422, result.message)
         if result.status == Status.overloaded:
-            return Response(result.model_dump_json(), 429, {"Retry-After": RETRY_AFTER_S},
-                            media_type="application/json")
-        return Response(result.model_dump_json(), media_type="application/json")
+            return Response(result.encoded(), 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
+        return Response(result.encoded(), media_type="application/json")
 
     @app.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=_body_schema("BatchRequest"))
     async def execute_batch(request: Request) -> Response:
@@ -210,7 +209,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                                         message=json.dumps(_errors(exc))))
         ran = iter(await answer(request, valid)) if valid else iter(())
         results = [slot if slot is not None else next(ran) for slot in slots]
-        payload = '{"results":[' + ",".join(r.model_dump_json() for r in results) + "]}"
+        payload = '{"results":[' + ",".join(r.encoded() for r in results) + "]}"
         if results and all(r.status == Status.overloaded for r in results):
             return Response(payload, 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
         return Response(payload, media_type="application/json")
@@ -221,7 +220,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         """The result of a call by the client's id, kept for a while after it ends."""
         known, result = await calls.lookup(call_id)
         if result is not None:
-            return Response(result.model_dump_json(), media_type="application/json")
+            return Response(result.encoded(), media_type="application/json")
         if known:
             return JSONResponse({"id": call_id, "detail": "the call is still running"}, 202)
         raise ApiError(404, f"no call with id {call_id!r} is running or remembered")

@@ -168,6 +168,24 @@ return n
 """
 
 
+# KEYS[1]: the jobs stream, KEYS[2]: the gateway's reply list. ARGV: group, entry, job, prefix,
+# result JSON, client id or "", 1 if the call started else 0, results_ttl_s. Writes the result (and
+# keeps it under the client id), acks and deletes the entry, and marks the job done, atomically.
+FINISH = f"""
+local prefix = ARGV[4]
+redis.call('LPUSH', KEYS[2], ARGV[3] .. '\\n' .. ARGV[5])
+redis.call('EXPIRE', KEYS[2], {REPLY_TTL_S})
+if ARGV[6] ~= '' then
+  redis.call('SET', prefix .. ':result:' .. ARGV[6], ARGV[5], 'EX', ARGV[8])
+  if ARGV[7] == '0' then redis.call('DEL', prefix .. ':call:' .. ARGV[6]) end
+end
+redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('SET', prefix .. ':started:' .. ARGV[3], 'done', 'EX', {DONE_TTL_S})
+return 1
+"""
+
+
 def connect(settings: QueueSettings) -> Redis:
     """A client for the queue's Redis (redis-py retries a dropped connection a few times itself)."""
     assert settings.redis_url is not None
@@ -197,10 +215,6 @@ def encode_job(job: str, reply: str, call_id: str | None, request_json: str) -> 
     """A stream entry: request JSON is embedded as encoded once, never re-encoded."""
     return (f'{{"job":{json.dumps(job)},"reply":{json.dumps(reply)},"t":{time.time():.6f},'
             f'"cid":{json.dumps(call_id)},"req":{request_json}}}')
-
-
-def encode_reply(job: str, result_json: str) -> str:
-    return f"{job}\n{result_json}"
 
 
 class _Call:
@@ -333,7 +347,7 @@ class RedisQueue:
             pipe.exists(self.keys.call(call_id))
             result, known = await pipe.execute()
         if result is not None:
-            return True, ExecResult.model_validate_json(result)
+            return True, ExecResult.from_json(result)
         return bool(known), None
 
     # --- writing calls --------------------------------------------------------------------------
@@ -411,7 +425,7 @@ class RedisQueue:
                 continue
             for call_id, result, call in zip(ids, results, calls, strict=True):
                 if result is not None:
-                    answer = ExecResult.model_validate_json(result)
+                    answer = ExecResult.from_json(result)
                 elif call is None:
                     answer = ExecResult(id=call_id, status=Status.overloaded, started=False,
                                         message="the call this id names was cancelled before it started; "
@@ -464,7 +478,7 @@ class RedisQueue:
                 job, _, body = item.partition("\n")
                 call = self._waiting.pop(job, None)
                 if call is not None:
-                    call.answer(ExecResult.model_validate_json(body))
+                    call.answer(ExecResult.from_json(body))
 
     async def _reconnect(self, exc: BaseException) -> None:
         """Wait for Redis to answer again; after a restart, answer the calls it lost."""

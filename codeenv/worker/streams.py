@@ -30,13 +30,11 @@ from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.streams import (
     CLAIM,
-    DONE_TTL_S,
+    FINISH,
     GROUP,
     HAND_BACK,
-    REPLY_TTL_S,
     Keys,
     connect,
-    encode_reply,
     ensure_group,
     redacted,
     worker_stats,
@@ -89,6 +87,7 @@ class StreamWorker:
         self._held: dict[str, _Job] = {}  # entry id -> job claimed and not yet answered
         self._active = 0  # jobs claimed and not yet out of the pool (what claims count against)
         self._claim = self._r.register_script(CLAIM)
+        self._finish = self._r.register_script(FINISH)
         self._ran: set[str] = set()  # job keys marked started by us whose result is not yet written
         self._room = asyncio.Event()
         self._rescan = False  # read our own pending entries again (after a lost connection)
@@ -343,23 +342,15 @@ class StreamWorker:
         return result
 
     async def _publish(self, job: _Job, result: ExecResult) -> None:
-        """Write the result, ack and delete the entry, in one transaction; retried while Redis is away."""
-        body = result.model_dump_json()
+        """Write the result, ack and delete the entry, atomically (one script); retried while Redis is away."""
+        args: list[str | int] = [GROUP, job.entry, job.key, self.keys.prefix, result.model_dump_json(),
+                                 job.call_id or "",
+                                 int(result.started), int(self.settings.results_ttl_s)]
         deadline = time.monotonic() + PUBLISH_RETRY_S
         delay = 0.1
         while True:
             try:
-                async with self._r.pipeline(transaction=True) as pipe:
-                    pipe.lpush(job.reply, encode_reply(job.key, body))
-                    pipe.expire(job.reply, REPLY_TTL_S)
-                    if job.call_id is not None:
-                        pipe.set(self.keys.result(job.call_id), body, ex=int(self.settings.results_ttl_s))
-                        if not result.started:  # never ran: the id may be sent again as a new call
-                            pipe.delete(self.keys.call(job.call_id))
-                    pipe.xack(self.keys.jobs, GROUP, job.entry)
-                    pipe.xdel(self.keys.jobs, job.entry)
-                    pipe.set(self.keys.started(job.key), "done", ex=DONE_TTL_S)
-                    await pipe.execute(raise_on_error=False)  # a missing group (Redis restarted) is fine
+                await self._finish(keys=[self.keys.jobs, job.reply], args=args)
                 break
             except RedisError as exc:
                 if time.monotonic() > deadline:
