@@ -3,6 +3,7 @@
 Usage::
 
     codeenv serve [--host H] [--port P] [--slots N] [--token T] [--redis URL [--no-local-worker]]
+    codeenv serve --processes N [...]   # N gateway processes, one slot pool per host
     codeenv worker --redis URL [--slots N]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
@@ -13,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -22,7 +25,7 @@ from rich.console import Console
 
 from codeenv.errors import CodeenvError
 from codeenv.models import ExecRequest, Limits
-from codeenv.settings import SandboxSettings
+from codeenv.settings import GatewaySettings, SandboxSettings
 
 app = typer.Typer(help="codeenv: fast, jailed Python execution for agentic RL.", no_args_is_help=True)
 image_app = typer.Typer(help="Build and inspect sandbox images.", no_args_is_help=True)
@@ -105,6 +108,8 @@ def serve(
         help="queue through Redis Streams at this URL (default: embedded, no Redis)")] = None,
     local_worker: Annotated[bool | None, typer.Option(
         "--local-worker/--no-local-worker", help="with --redis: also run a worker here [default: yes]")] = None,
+    processes: Annotated[int | None, typer.Option(
+        help="gateway (uvicorn) processes; the host keeps one slot pool whatever the number [default: 1]")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
 ) -> None:
@@ -113,14 +118,14 @@ def serve(
     import uvicorn
 
     from codeenv.api import create_app
-    from codeenv.settings import GatewaySettings
 
     _setup_logging(log_format)
     try:
         # Only what was given on the command line overrides CODEENV_* variables and defaults.
         given = {"host": host, "port": port, "token": token, "insecure": insecure, "slots": slots,
-                 "redis_url": redis, "local_worker": local_worker}
-        settings = GatewaySettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+                 "redis_url": redis, "local_worker": local_worker, "processes": processes}
+        given = {k: v for k, v in given.items() if v is not None}
+        settings = GatewaySettings(**given)  # type: ignore[arg-type]
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     if settings.redis_url is None or settings.local_worker:
@@ -132,8 +137,79 @@ def serve(
             raise _fail(str(exc)) from exc
     # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
     # app's lifespan closes the pool; a second signal forces.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+    if settings.processes == 1:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+    else:
+        _serve_processes(settings, given, log_level, log_format)
+
+
+def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log_level: str, log_format: str) -> None:
+    """N uvicorn processes in front of one pool process: `codeenv worker` with Redis, else a pool
+    serving the gateways on a Unix socket. Settings reach the processes as CODEENV_* variables."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import uvicorn
+
+    for key, value in given.items():
+        os.environ[f"CODEENV_{key.upper()}"] = str(value)
+    pool_cmd: list[str] | None = None
+    if settings.redis_url is not None:
+        os.environ["CODEENV_LOCAL_WORKER"] = "false"  # the gateways; the worker runs once, below
+        if settings.local_worker:
+            pool_cmd = ["worker", "--redis", settings.redis_url]
+    else:
+        socket_path = settings.state_dir / "sockets" / f"pool-{settings.port}.sock"
+        os.environ["CODEENV_POOL_SOCKET"] = str(socket_path)
+        pool_cmd = ["pool", "--socket", str(socket_path)]
+    metrics_dir = tempfile.mkdtemp(prefix="codeenv-metrics-")
+    pool_proc = None
+    try:
+        if pool_cmd is not None:
+            pool_proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format])
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
+        uvicorn.run("codeenv.api.app:app_from_env", factory=True, workers=settings.processes, host=settings.host,
+                    port=settings.port, log_level=log_level,
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+    finally:
+        if pool_proc is not None:
+            pool_proc.terminate()
+            try:
+                pool_proc.wait(settings.shutdown_grace_s + 30)
+            except subprocess.TimeoutExpired:
+                pool_proc.kill()
+                pool_proc.wait()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+@app.command(hidden=True)
+def pool(
+    socket: Annotated[Path, typer.Option(help="Unix socket to serve the gateways on")],
+    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
+) -> None:
+    """The host's slot pool behind `serve --processes N` (without Redis)."""
+    import signal
+
+    from codeenv.queue.local import LocalQueueServer
+    from codeenv.queue.memory import EmbeddedQueue
+    from codeenv.sandbox.pool import SlotPool
+
+    _setup_logging(log_format)
+    settings = GatewaySettings()
+
+    async def go() -> None:
+        queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)
+        server = LocalQueueServer(queue, socket)
+        await server.start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.close()
+
+    asyncio.run(go())
 
 
 @app.command()

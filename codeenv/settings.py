@@ -153,7 +153,11 @@ class GatewaySettings(QueueSettings):
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
-    local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) in this process")
+    local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) on this host")
+    processes: int = Field(1, ge=1, le=256, description="gateway (uvicorn) processes; the host keeps one pool")
+    pool_socket: Path | None = Field(
+        None, description="set by `serve --processes N`: gateways reach the host's pool through this Unix socket"
+    )
 
     @model_validator(mode="after")
     def _safe_bind(self) -> Self:

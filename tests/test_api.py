@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
+import os
 import uuid
 from collections.abc import AsyncIterator
 
@@ -18,7 +18,7 @@ from codeenv.queue.memory import EmbeddedQueue
 from codeenv.queue.streams import RedisQueue
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, free_port
 
 
 class SharedPoolQueue(EmbeddedQueue):
@@ -147,12 +147,6 @@ async def test_token_is_checked_on_every_endpoint(pool: SlotPool) -> None:
         assert ok.status_code == 200 and ok.json()["stdout"] == "1\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _gauge(metrics: str, name: str) -> float:
     return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
 
@@ -162,7 +156,7 @@ async def test_codeenv_serve_over_real_http() -> None:
 
     from codeenv import SandboxSettings
 
-    port = _free_port()
+    port = free_port()
     env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 500), "PATH": "/usr/bin:/bin"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "1", "--log-level", "warning",
@@ -246,3 +240,51 @@ async def test_hostile_calls_through_http(client: httpx.AsyncClient) -> None:
     assert [x["status"] for x in r.json()["results"]] == [s for _, s in hostile]
     after = await client.post("/v1/execute", json={"code": "print('next')"})
     assert after.json()["stdout"] == "next\n"
+
+
+@pytest.mark.parametrize("redis_mode", [False, True], ids=["embedded", "redis"])
+async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: bool,
+                                                                    redis_server: RedisServer) -> None:
+    import sys
+
+    from codeenv import SandboxSettings
+
+    port = free_port()
+    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 540), "PATH": os.environ.get("PATH", "/usr/bin"),
+           "CODEENV_REDIS_PREFIX": uuid.uuid4().hex}
+    extra = ["--redis", redis_server.url] if redis_mode else []
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "2", "--processes", "3",
+        "--log-level", "warning", *extra, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            for _ in range(900):
+                try:
+                    if (await c.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            code = "import random\nprint(random.random())"
+            # Many connections, so every gateway process takes some; ids are shared by all of them.
+            clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(12)]
+            try:
+                first = await asyncio.gather(*(k.post("/v1/execute", json={"code": code, "id": f"p{i}"})
+                                               for i, k in enumerate(clients)))
+                again = await asyncio.gather(*(k.post("/v1/execute", json={"code": code, "id": f"p{i}"})
+                                               for i, k in enumerate(reversed(clients))))
+            finally:
+                await asyncio.gather(*(k.aclose() for k in clients))
+            stdout = {r.json()["id"]: r.json()["stdout"] for r in first}
+            assert len(set(stdout.values())) == 12  # twelve runs ...
+            assert all(stdout[r.json()["id"]] == r.json()["stdout"] for r in again)  # ... each answered twice
+            await asyncio.sleep(1.2)  # the pool's figures reach the gateways twice a second
+            metrics = (await c.get("/metrics")).text
+            assert _gauge(metrics, "codeenv_slots") == 2  # one pool of two slots behind three processes
+            assert _gauge(metrics, 'codeenv_calls_total{status="ok"}') == 24  # summed over the processes
+            if not redis_mode:
+                assert _gauge(metrics, "codeenv_calls_run") == 12
+    finally:
+        proc.terminate()
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode in (0, -15), err.decode()[-2000:]

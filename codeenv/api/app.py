@@ -14,16 +14,16 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
@@ -62,9 +62,21 @@ class ApiError(Exception):
 
 
 class Metrics:
-    """Prometheus metrics of one gateway process (its own registry)."""
+    """Prometheus metrics of a gateway. Under `serve --processes N` (PROMETHEUS_MULTIPROC_DIR set)
+    every process writes its values to files and a scrape of any process reads them all: counters
+    and histograms add up, in-flight calls add up over live processes, the queue's gauges (the same
+    host-wide figures in every process) are the most recent reading."""
 
-    def __init__(self) -> None:
+    STATS = (("slots", "Slots of the workers"), ("free_slots", "Slots free right now"),
+             ("slot_restarts", "Jails recycled since start"),
+             ("waiting", "Calls accepted and waiting for a slot (the queue's depth)"),
+             ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
+             ("workers", "Live workers behind this gateway"),
+             ("calls_run", "Calls the workers have run"))
+
+    def __init__(self, queue: CallQueue) -> None:
+        self.queue = queue
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=self.registry)
         self.queue_s = Histogram("codeenv_queue_seconds", "Time a call waited for a slot", registry=self.registry,
@@ -72,18 +84,11 @@ class Metrics:
         self.run_s = Histogram("codeenv_run_seconds", "Wall time of a call's program", registry=self.registry,
                                buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
-                               registry=self.registry)
-        self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late the gateway's event loop runs a timer",
-                              registry=self.registry)
-
-    def watch(self, queue: CallQueue) -> None:
-        for key, doc in (("slots", "Slots of the workers"), ("free_slots", "Slots free right now"),
-                         ("slot_restarts", "Jails recycled since start"),
-                         ("waiting", "Calls accepted and waiting for a slot (the queue's depth)"),
-                         ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
-                         ("workers", "Live workers behind this gateway"),
-                         ("calls_run", "Calls the workers have run")):
-            Gauge(f"codeenv_{key}", doc, registry=self.registry).set_function(partial(_stat, queue, key))
+                               registry=self.registry, multiprocess_mode="livesum")
+        self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late a gateway's event loop runs a timer",
+                              registry=self.registry, multiprocess_mode="livemax")
+        self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=self.registry, multiprocess_mode="mostrecent")
+                      for key, doc in self.STATS}
 
     def observe(self, results: list[ExecResult]) -> None:
         for r in results:
@@ -92,12 +97,35 @@ class Metrics:
                 self.queue_s.observe(r.queue_s)
                 self.run_s.observe(r.wall_s)
 
+    def exposition(self) -> bytes:
+        stats = self.queue.stats()
+        for key, gauge in self.stats.items():
+            gauge.set(stats[key])
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+    def process_exit(self) -> None:
+        if self.multiprocess:
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
+def app_from_env() -> FastAPI:
+    """The gateway configured by CODEENV_* variables: what each `serve --processes N` process runs."""
+    return create_app(GatewaySettings())
+
 
 def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> FastAPI:
     """The gateway. Without `queue`: an embedded slot pool, or with `settings.redis_url` the Redis
     Streams queue (and, with `settings.local_worker`, a worker in this process), for its lifetime."""
     worker: StreamWorker | None = None
-    if queue is None and settings.redis_url is not None:
+    if queue is None and settings.pool_socket is not None:
+        from codeenv.queue.local import LocalQueue
+
+        queue = LocalQueue(settings.pool_socket)
+    elif queue is None and settings.redis_url is not None:
         from codeenv.queue.streams import RedisQueue
         from codeenv.worker import StreamWorker
 
@@ -109,9 +137,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
         queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)
     calls: CallQueue = queue
-    metrics = Metrics()
-
-    metrics.watch(calls)
+    metrics = Metrics(calls)
 
     async def measure_lag() -> None:
         while True:
@@ -137,6 +163,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             await calls.close()
             if worker is not None:
                 await worker.stop()
+            metrics.process_exit()
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
                   description="Run untrusted Python in jails, with hard limits and structured results.")
@@ -240,7 +267,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -258,10 +285,6 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     app.state.metrics = metrics
     app.state.queue = calls
     return app
-
-
-def _stat(queue: CallQueue, key: str) -> float:
-    return queue.stats()[key]
 
 
 def _body_schema(model: str) -> dict[str, Any]:

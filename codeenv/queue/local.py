@@ -1,0 +1,232 @@
+"""One slot pool per host behind several gateway processes, without Redis: a Unix socket.
+
+`codeenv serve --processes N` runs the pool in one process (`LocalQueueServer` around an
+EmbeddedQueue) and N uvicorn processes whose gateways talk to it through `LocalQueue`.
+
+Usage::
+
+    server = LocalQueueServer(EmbeddedQueue(SlotPool(settings), max_queued), path)   # pool process
+    await server.start()
+    queue = LocalQueue(path)                                                           # each gateway
+    await queue.start()
+
+Frames are a 4-byte big-endian length and UTF-8 text. Gateway -> pool: a JSON object with ``op``
+(``submit`` with ``requests``, ``cancel``, ``lookup`` with ``id``) and a request number ``n``.
+Pool -> gateway: a JSON header line (``{"n": ...}`` answering a request, or ``{"stats": {...}}``)
+followed by one result per line, each as the pool encoded it (results are never re-encoded). A
+gateway that goes away cancels its calls that have not started, as a disconnecting client does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.memory import EmbeddedQueue
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct(">I")
+MAX_FRAME = 1 << 30
+STATS_EVERY_S = 0.5
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> str:
+    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes")
+    return (await reader.readexactly(size)).decode()
+
+
+def _frame(text: str) -> bytes:
+    data = text.encode()
+    return _LENGTH.pack(len(data)) + data
+
+
+class LocalQueueServer:
+    """Serves an EmbeddedQueue (and its slot pool) to gateway processes on this host."""
+
+    def __init__(self, queue: EmbeddedQueue, path: Path) -> None:
+        self.queue = queue
+        self.path = path
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.queue.start()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)  # only this user (root) may submit code
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        logger.info("pool serving gateways on %s", self.path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self.queue.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        gone: dict[int, asyncio.Event] = {}
+        calls: set[asyncio.Task[None]] = set()
+
+        async def submit(n: int, requests: list[ExecRequest], event: asyncio.Event) -> None:
+            try:
+                results = await self.queue.submit(requests, event)
+            except asyncio.CancelledError:
+                return  # cancelled by the gateway: nobody waits for an answer
+            finally:
+                gone.pop(n, None)
+            writer.write(_frame(json.dumps({"n": n}) + "\n" + "\n".join(r.encoded() for r in results)))
+
+        async def push_stats() -> None:
+            while True:
+                writer.write(_frame(json.dumps({"stats": self.queue.stats(), "ready": self.queue.ready()})))
+                await asyncio.sleep(STATS_EVERY_S)
+
+        pusher = asyncio.create_task(push_stats())
+        try:
+            while True:
+                message = json.loads(await _read_frame(reader))
+                n = message["n"]
+                if message["op"] == "submit":
+                    event = gone[n] = asyncio.Event()
+                    requests = [ExecRequest.model_validate(r) for r in message["requests"]]
+                    call = asyncio.create_task(submit(n, requests, event))
+                    calls.add(call)
+                    call.add_done_callback(calls.discard)
+                elif message["op"] == "cancel":
+                    if n in gone:
+                        gone[n].set()
+                elif message["op"] == "lookup":
+                    known, result = await self.queue.lookup(message["id"])
+                    writer.write(_frame(json.dumps({"n": n, "known": known}) + "\n"
+                                        + (result.encoded() if result is not None else "")))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the gateway went away: its unstarted calls are cancelled below
+        finally:
+            pusher.cancel()
+            for event in gone.values():
+                event.set()
+            await asyncio.gather(*calls, return_exceptions=True)
+            writer.close()
+            self._connections.discard(task)
+
+
+class LocalQueue:
+    """A gateway's side of LocalQueueServer: the CallQueue interface over a Unix socket."""
+
+    def __init__(self, path: Path, connect_timeout_s: float = 300.0) -> None:
+        self.path = path
+        self.connect_timeout_s = connect_timeout_s
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._next = 0
+        self._waiting: dict[int, asyncio.Future[list[str]]] = {}
+        self._stats: dict[str, float] = {}
+        self._ready = False
+
+    async def start(self) -> None:
+        async with asyncio.timeout(self.connect_timeout_s):
+            while True:  # the pool process may still be starting its jails
+                try:
+                    reader, self._writer = await asyncio.open_unix_connection(str(self.path))
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await asyncio.sleep(0.1)
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+        if self._writer is not None:
+            self._writer.close()
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def stats(self) -> dict[str, float]:
+        return self._stats or {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
+                               "oldest_wait_s": 0, "workers": 0}
+
+    async def submit(self, requests: Sequence[ExecRequest],
+                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+        try:
+            n, future = self._send('"op":"submit","requests":[' + ",".join(r.model_dump_json() for r in requests)
+                                   + "]")
+        except ConnectionError as exc:
+            return [ExecResult(id=r.id, status=Status.overloaded, started=False, message=f"{exc}; retry later")
+                    for r in requests]
+        try:
+            lines = await self._wait(n, future, gone)
+        except ConnectionError as exc:
+            return [ExecResult(id=r.id, status=Status.internal_error, started=True,
+                               message=f"{exc} while the call was with it; it may have run") for r in requests]
+        return [ExecResult.from_json(line) for line in lines]
+
+    async def _wait(self, n: int, future: asyncio.Future[list[str]], gone: asyncio.Event | None) -> list[str]:
+        if gone is None:
+            return await future
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait([future, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():
+                self._waiting.pop(n, None)
+                future.cancel()
+                self._send('"op":"cancel"', n)
+                raise asyncio.CancelledError("the caller disconnected")
+            return future.result()
+        finally:
+            watcher.cancel()
+
+    async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
+        _, future = self._send('"op":"lookup","id":' + json.dumps(call_id))
+        header, *rest = await future
+        result = ExecResult.from_json(rest[0]) if rest and rest[0] else None
+        return bool(json.loads(header)["known"]), result
+
+    def _send(self, body: str, n: int | None = None) -> tuple[int, asyncio.Future[list[str]]]:
+        if self._writer is None or self._writer.is_closing():
+            raise ConnectionError(f"the pool process at {self.path} is gone")
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        if n is None:
+            n = self._next = self._next + 1
+            self._waiting[n] = future
+        self._writer.write(_frame(f'{{"n":{n},{body}}}'))
+        return n, future
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header, _, rest = (await _read_frame(reader)).partition("\n")
+                head = json.loads(header)
+                if "stats" in head:
+                    self._stats, self._ready = head["stats"], head["ready"]
+                    continue
+                future = self._waiting.pop(head["n"], None)
+                if future is not None and not future.done():
+                    future.set_result([header, rest] if "known" in head else (rest.split("\n") if rest else []))
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self._ready = False
+            logger.error("lost the pool process: %s", exc)
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("the pool process went away"))
+            self._waiting.clear()
