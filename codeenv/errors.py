@@ -46,3 +46,7 @@ class SandboxError(CodeenvError):
 
 class PoolClosed(CodeenvError):
     """The slot pool is not accepting work."""
+
+
+class QueueUnavailable(CodeenvError):
+    """The queue (Redis, or the host's pool process) cannot be reached right now; retry later."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -78,6 +80,12 @@ class ExecRequest(BaseModel):
         None, gt=0, allow_inf_nan=False,
         description="must start within this many seconds, or it is answered overloaded and never run",
     )
+    files: dict[str, str] = Field(
+        default_factory=dict, description="files to write into the work dir first: relative path -> base64 content"
+    )
+    fetch_files: list[str] = Field(
+        default_factory=list, description="files to read back from the work dir after the run (relative paths)"
+    )
 
 
     def check(self, settings: SandboxSettings) -> tuple[bytes, bytes, LimitValues]:
@@ -92,7 +100,43 @@ class ExecRequest(BaseModel):
             raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
         if len(stdin) > settings.max_stdin_bytes:
             raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
+        if len(self.files) + len(self.fetch_files) > settings.max_files:
+            raise InvalidRequest(f"{len(self.files) + len(self.fetch_files)} files in and out; the limit is "
+                                 f"{settings.max_files}")
+        for path in [*self.files, *self.fetch_files]:
+            check_path(path)
         return code, stdin, limits
+
+    def decoded_files(self, settings: SandboxSettings) -> list[tuple[str, bytes]]:
+        """The input files' contents; raise InvalidRequest for bad base64 or too many bytes."""
+        decoded: list[tuple[str, bytes]] = []
+        total = 0
+        for path, content in self.files.items():
+            try:
+                data = base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise InvalidRequest(f"files[{path!r}] is not valid base64: {exc}") from None
+            total += len(data)
+            if total > settings.max_files_bytes:
+                raise InvalidRequest(f"the input files hold more than {settings.max_files_bytes} bytes")
+            decoded.append((path, data))
+        dirs = {"/".join(p.split("/")[:i]) for p, _ in decoded for i in range(1, p.count("/") + 1)}
+        for path, _ in decoded:
+            if path in dirs:
+                raise InvalidRequest(f"files[{path!r}] is both a file and a directory of another file")
+        return decoded
+
+
+def check_path(path: str) -> None:
+    """A path inside the work dir: relative, no '.' or '..' parts, no NUL, not empty."""
+    if not path or len(path) > 1024 or "\0" in path or path.startswith("/"):
+        raise InvalidRequest(f"file path {path!r} must be a non-empty relative path without NUL")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise InvalidRequest(f"file path {path!r} must stay inside the work dir (no '', '.' or '..' parts)")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"file path {path!r} is not valid Unicode") from None
 
 
 class ErrorInfo(BaseModel):
@@ -124,6 +168,8 @@ class ExecResult(BaseModel):
     worker: str = ""
     profile: str | None = None
     image: str | None = None
+    files: dict[str, str] | None = Field(None, description="fetched files: path -> base64 content")
+    file_errors: dict[str, str] | None = Field(None, description="files that could not be fetched: path -> why")
     message: str | None = None
 
     _encoded: str | None = PrivateAttr(None)

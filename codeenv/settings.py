@@ -93,6 +93,9 @@ class SandboxSettings(BaseSettings):
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
     max_code_bytes: int = Field(1 << 20, gt=0)
     max_stdin_bytes: int = Field(16 << 20, ge=0)
+    max_files: int = Field(256, ge=0, description="input files plus files to fetch, per call")
+    max_files_bytes: int = Field(64 << 20, ge=0, description="input files' total size, per call")
+    max_fetch_bytes: int = Field(16 << 20, ge=0, description="fetched files' total size, per call")
     zygote_start_timeout_s: float = Field(120, gt=0)
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")
@@ -158,6 +161,24 @@ class GatewaySettings(QueueSettings):
     pool_socket: Path | None = Field(
         None, description="set by `serve --processes N`: gateways reach the host's pool through this Unix socket"
     )
+
+    code_judge_queue_wait_s: float = Field(
+        30, gt=0, lt=60, description="code-judge endpoints: a submission not started by then is answered "
+                                     "queue_timeout and never runs (rStar2-Agent's client re-sends after 60 s)")
+    code_judge_wall_s: float | None = Field(None, gt=0, description="code-judge: wall limit (default: defaults.wall_s)")
+    code_judge_output_bytes: int = Field(64 << 10, gt=0, description="code-judge: output that stops a program")
+    code_judge_return_chars: int = Field(1000, gt=0, description="code-judge: stdout/stderr characters returned")
+    sandbox_fusion_output_bytes: int = Field(
+        1 << 20, gt=0, description="SandboxFusion: output that stops a program, and what is returned")
+
+    @model_validator(mode="after")
+    def _code_judge_answers_within_a_minute(self) -> Self:
+        wall = min(self.code_judge_wall_s or self.defaults.wall_s, self.caps.wall_s)
+        if self.code_judge_queue_wait_s + wall > 55:
+            raise ValueError(
+                f"code_judge_queue_wait_s ({self.code_judge_queue_wait_s:g}) + the code-judge wall limit ({wall:g}) "
+                "must stay under 55 s: rStar2-Agent's client re-sends a batch after 60 s, and nothing may run twice")
+        return self
 
     @model_validator(mode="after")
     def _safe_bind(self) -> Self:

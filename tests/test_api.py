@@ -7,12 +7,13 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 
-from codeenv import SlotPool
+from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
 from codeenv.queue.memory import EmbeddedQueue
 from codeenv.queue.streams import RedisQueue
@@ -288,3 +289,29 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
         proc.terminate()
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode in (0, -15), err.decode()[-2000:]
+
+
+async def test_gateways_lose_the_pool_process_with_clear_answers(pool: SlotPool, tmp_path: Path) -> None:
+    from codeenv.errors import QueueUnavailable
+    from codeenv.queue.local import LocalQueue, LocalQueueServer
+
+    server = LocalQueueServer(SharedPoolQueue(pool, 100), tmp_path / "pool.sock")
+    await server.start()
+    gateway = LocalQueue(tmp_path / "pool.sock")
+    await gateway.start()
+    try:
+        [ok] = await gateway.submit([ExecRequest(code="print('via the socket')", id="sock-1")])
+        assert ok.stdout == "via the socket\n"
+        assert await gateway.lookup("sock-1") == (True, ok)
+        running = asyncio.ensure_future(gateway.submit([ExecRequest(code="import time\ntime.sleep(1)")]))
+        await asyncio.sleep(0.3)
+        await server.close()  # the pool process goes away mid-call
+        [lost] = await asyncio.wait_for(running, 10)
+        assert lost.status == "internal_error" and lost.started and "may have run" in (lost.message or "")
+        [refused] = await gateway.submit([ExecRequest(code="print(1)")])
+        assert refused.status == "overloaded" and not refused.started
+        with pytest.raises(QueueUnavailable):
+            await gateway.lookup("sock-1")
+        assert not gateway.ready()
+    finally:
+        await gateway.close()

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from codeenv.api.compat import JSON_BODY, add_code_judge, add_sandbox_fusion, validation_errors
+from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Limits, Status
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-JSON_BODY = "codeenv.json"
 RETRY_AFTER_S = "1"
 LAG_PROBE_S = 0.5
 DISCONNECT_POLL_S = 0.25
@@ -207,7 +208,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         try:
             call = ExecRequest.model_validate(request.scope[JSON_BODY])
         except ValidationError as exc:
-            raise ApiError(422, _errors(exc)) from None
+            raise ApiError(422, validation_errors(exc)) from None
         [result] = await answer(request, [call])
         if result.status == Status.rejected:
             raise ApiError(422, result.message)
@@ -233,7 +234,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             except ValidationError as exc:
                 call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
                 slots.append(ExecResult(id=call_id, status=Status.rejected,
-                                        message=json.dumps(_errors(exc))))
+                                        message=json.dumps(validation_errors(exc))))
         ran = iter(await answer(request, valid)) if valid else iter(())
         results = [slot if slot is not None else next(ran) for slot in slots]
         payload = '{"results":[' + ",".join(r.encoded() for r in results) + "]}"
@@ -245,7 +246,10 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
     async def result_by_id(call_id: str) -> Response:
         """The result of a call by the client's id, kept for a while after it ends."""
-        known, result = await calls.lookup(call_id)
+        try:
+            known, result = await calls.lookup(call_id)
+        except QueueUnavailable as exc:
+            raise ApiError(503, str(exc), {"Retry-After": RETRY_AFTER_S}) from None
         if result is not None:
             return Response(result.encoded(), media_type="application/json")
         if known:
@@ -268,6 +272,9 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    add_code_judge(app, settings, calls, answer)
+    add_sandbox_fusion(app, settings, answer)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -292,13 +299,8 @@ def _body_schema(model: str) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
 
-def _errors(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors(include_url=False, include_context=False, include_input=False)]
-
-
 class Guard:
-    """ASGI middleware in front of every route: the token, then the body of /v1/execute* calls.
+    """ASGI middleware in front of every route: the token, then the body of every POST.
 
     The body is read here once, capped (413) and parsed (400), and left in the scope; the app then
     sees an empty body followed by the client's real messages, so an endpoint can still notice
@@ -319,7 +321,7 @@ class Guard:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            if scope["method"] == "POST" and scope["path"].startswith("/v1/execute"):
+            if scope["method"] == "POST":  # every POST endpoint takes JSON
                 body = await self._read_body(scope, receive)
                 if body is None:
                     return  # the client went away while sending

@@ -29,7 +29,10 @@ class CallQueue(Protocol):
         ...
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
-        """Whether a call with this client id is running or remembered, and its result once it ended."""
+        """Whether a call with this client id is running or remembered, and its result once it ended.
+
+        Raises QueueUnavailable when the queue cannot be asked right now.
+        """
         ...
 
     def stats(self) -> dict[str, float]:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.memory import EmbeddedQueue
 
@@ -58,7 +59,7 @@ class LocalQueueServer:
         self.queue = queue
         self.path = path
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         await self.queue.start()
@@ -72,8 +73,8 @@ class LocalQueueServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
+        for writer in self._connections.values():
+            writer.close()  # each connection's reader then ends, and cleans up after itself
         await asyncio.gather(*self._connections, return_exceptions=True)
         await self.queue.close()
         with contextlib.suppress(FileNotFoundError):
@@ -82,7 +83,7 @@ class LocalQueueServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         gone: dict[int, asyncio.Event] = {}
         calls: set[asyncio.Task[None]] = set()
 
@@ -126,7 +127,7 @@ class LocalQueueServer:
                 event.set()
             await asyncio.gather(*calls, return_exceptions=True)
             writer.close()
-            self._connections.discard(task)
+            self._connections.pop(task, None)
 
 
 class LocalQueue:
@@ -141,6 +142,7 @@ class LocalQueue:
         self._waiting: dict[int, asyncio.Future[list[str]]] = {}
         self._stats: dict[str, float] = {}
         self._ready = False
+        self._lost = False
 
     async def start(self) -> None:
         async with asyncio.timeout(self.connect_timeout_s):
@@ -197,13 +199,16 @@ class LocalQueue:
             watcher.cancel()
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
-        _, future = self._send('"op":"lookup","id":' + json.dumps(call_id))
-        header, *rest = await future
+        try:
+            _, future = self._send('"op":"lookup","id":' + json.dumps(call_id))
+            header, *rest = await future
+        except ConnectionError as exc:
+            raise QueueUnavailable(str(exc)) from exc
         result = ExecResult.from_json(rest[0]) if rest and rest[0] else None
         return bool(json.loads(header)["known"]), result
 
     def _send(self, body: str, n: int | None = None) -> tuple[int, asyncio.Future[list[str]]]:
-        if self._writer is None or self._writer.is_closing():
+        if self._writer is None or self._writer.is_closing() or self._lost:
             raise ConnectionError(f"the pool process at {self.path} is gone")
         future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         if n is None:
@@ -223,8 +228,10 @@ class LocalQueue:
                 future = self._waiting.pop(head["n"], None)
                 if future is not None and not future.done():
                     future.set_result([header, rest] if "known" in head else (rest.split("\n") if rest else []))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            self._ready = False
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+            self._ready, self._lost = False, True
+            if self._writer is not None:
+                self._writer.close()
             logger.error("lost the pool process: %s", exc)
             for future in self._waiting.values():
                 if not future.done():

@@ -65,7 +65,7 @@ class EmbeddedQueue:
         free = self.pool.free_slots
         oldest = next(iter(self._waiting_since.values()), None)
         return {"slots": slots, "free_slots": free, "slot_restarts": self.pool.restarts,
-                "waiting": len(self._waiting_since), "calls_run": sum(self.pool.stats.values()),
+                "waiting": len(self._waiting_since), "calls_run": self.pool.calls_started,
                 "oldest_wait_s": 0.0 if oldest is None else time.monotonic() - oldest, "workers": 1}
 
     def ready(self) -> bool:

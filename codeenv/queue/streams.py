@@ -40,7 +40,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from codeenv.errors import InvalidRequest
+from codeenv.errors import InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.memory import fingerprint
 from codeenv.settings import GatewaySettings, QueueSettings
@@ -342,10 +342,13 @@ class RedisQueue:
             watcher.cancel()
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
-        async with self._r.pipeline(transaction=True) as pipe:
-            pipe.get(self.keys.result(call_id))
-            pipe.exists(self.keys.call(call_id))
-            result, known = await pipe.execute()
+        try:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.get(self.keys.result(call_id))
+                pipe.exists(self.keys.call(call_id))
+                result, known = await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable(f"the queue is unreachable ({exc})") from exc
         if result is not None:
             return True, ExecResult.from_json(result)
         return bool(known), None
@@ -477,8 +480,13 @@ class RedisQueue:
             for item in got[1]:
                 job, _, body = item.partition("\n")
                 call = self._waiting.pop(job, None)
-                if call is not None:
+                if call is None:
+                    continue  # answered already (cancelled, lost in a restart) or another gateway's
+                try:
                     call.answer(ExecResult.from_json(body))
+                except ValueError as exc:
+                    logger.error("unreadable result for job %s: %s", job, exc)
+                    call.answer(self._lost(call.request, "its result could not be read"))
 
     async def _reconnect(self, exc: BaseException) -> None:
         """Wait for Redis to answer again; after a restart, answer the calls it lost."""

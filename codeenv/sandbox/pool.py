@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import itertools
@@ -149,7 +150,8 @@ class SlotPool:
         self._background: set[asyncio.Task[None]] = set()
         self._supervisor: asyncio.Task[None] | None = None
         self._open = False
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # results by status
+        self.calls_started = 0  # calls that reached a zygote (what "ran once" is counted by)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -267,6 +269,8 @@ class SlotPool:
         if not self._open:
             raise PoolClosed("the slot pool is not running")
         code, stdin, limits, profile = self.resolve(request)
+        files = request.decoded_files(self.settings) if request.files else None
+        fetch = list(dict.fromkeys(request.fetch_files)) or None
         queued = time.monotonic()
         for attempt in range(1, MAX_DISPATCH + 1):
             if request.deadline_s is None:
@@ -303,7 +307,8 @@ class SlotPool:
                         raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
                     # Pre-fork the next child only while nobody queues: at saturation the extra
                     # hand-over costs throughput, and queued calls would not see the latency win.
-                    outcome = await zygote.run(code, stdin, limits, prefork_next=not self._free.queued)
+                    outcome = await zygote.run(code, stdin, limits, prefork_next=not self._free.queued,
+                                               files=files, fetch=fetch)
             except _DeadlinePassed:
                 zygote.busy = False  # nothing ran: the slot goes back as it is
                 if self._open:
@@ -331,6 +336,11 @@ class SlotPool:
                 self._release(slot, zygote, "the call was cancelled")
                 raise
             result = classify(outcome, limits)
+            if fetch is not None:
+                result.files = {p: base64.b64encode(d).decode() for p, d in (outcome.fetched or {}).items()}
+                result.file_errors = outcome.fetch_errors or ({} if outcome.fetched is not None else
+                                                              {p: "the call ended before its files could be read"
+                                                               for p in fetch})
             self._release(slot, zygote, None if outcome.exited is not None else "the call ended abnormally")
             return self._finish(request, result, slot, profile, queue_s)
         return self._finish(request, ExecResult(
@@ -346,6 +356,8 @@ class SlotPool:
         result.profile = profile.name
         result.image = self.image.short_hash
         self.stats[result.status.value] += 1
+        if result.started:
+            self.calls_started += 1
         return result
 
     def _release(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:

@@ -18,6 +18,11 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
     zygote -> worker  {"op": "hello", ...}                      preloaded and ready
     worker -> zygote  {"op": "run", "seq", limits...} + 6 fds   start a call (code, stdin, stdout,
                                                                 stderr, report and setup memfds)
+                      ... + 9 fds, "fetch": bool                also files to write into the work dir
+                                                                (the child writes them), a list of
+                                                                paths to fetch and a memfd for them
+                                                                (a collector child reads them there
+                                                                after the call, before the wipe)
     (no message)      a byte set in the setup memfd             written before the fork: from here
                                                                 on the call counts as started
     worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
@@ -47,6 +52,13 @@ FILENAME = "main.py"
 ZYGOTE_ONLY_ENV = ("PYTHONMALLOC", "GLIBC_TUNABLES")
 #: Exit code of a child whose setup (before user code) failed; the setup memfd says why.
 SETUP_FAILED = 125
+#: A call's fds: code, stdin, stdout, stderr, report, setup; with files also files-in, fetch list
+#: and fetch-out.
+CALL_FDS = (6, 9)
+#: Where fetched files' contents start in the fetch-out memfd (a JSON index comes first).
+FETCH_DATA_AT = 256 << 10
+#: Time the collector has to copy the fetched files (the worker waits for "exited" meanwhile).
+FETCH_TIMEOUT_S = 5
 
 _config: dict = {}
 _random_instances: list = []
@@ -305,16 +317,136 @@ def _spare(sock):
         os.closerange(3, sock.fileno())
         os.closerange(sock.fileno() + 1, 1 << 20)
         main = _prepare()
-        data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 8)
-        if not data or len(fds) != 6:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
+        if not data or len(fds) not in CALL_FDS:
             _hard_exit(SETUP_FAILED)
         msg = json.loads(data)
         sock.close()
     except BaseException as exc:
-        if len(fds) == 6:
+        if len(fds) in CALL_FDS:
             _report_setup_error(fds[5], exc)
         _hard_exit(SETUP_FAILED)
     _child(fds, msg, main)
+
+
+def _read_all(fd):
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0) if size else b""
+
+
+def _write_files(files_fd):
+    """In the child, before user code: write the call's input files into the work dir.
+
+    The memfd holds a 4-byte index length, a JSON index [[path, size], ...] and the contents. Paths
+    were checked by the worker (relative, no "..", no NUL); directories are made as needed and no
+    link is followed.
+    """
+    blob = _read_all(files_fd)
+    if not blob:
+        return
+    size = int.from_bytes(blob[:4], "little")
+    offset = 4 + size
+    for path, length in json.loads(blob[4:offset]):
+        *dirs, name = path.split("/")
+        fd = os.open(_config["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in dirs:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                          dir_fd=fd)
+            try:
+                view = memoryview(blob)[offset:offset + length]
+                while view:
+                    view = view[os.write(out, view):]
+            finally:
+                os.close(out)
+        finally:
+            os.close(fd)
+        offset += length
+
+
+def _open_beneath(path):
+    """Open a file under the work dir without following any link (a FIFO does not block)."""
+    *dirs, name = path.split("/")
+    fd = os.open(_config["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in dirs:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _fetch_files(list_fd, out_fd):
+    """In a collector child, after the call: copy the requested files into the fetch-out memfd.
+
+    Only regular files, no link followed, at most the memfd's room in all; anything else is
+    refused by name. The index (JSON {"files": {path: [offset, size]}, "errors": {path: why}})
+    goes at the start, the contents from FETCH_DATA_AT.
+    """
+    paths = json.loads(_read_all(list_fd) or b"[]")
+    room = os.fstat(out_fd).st_size - FETCH_DATA_AT
+    offset = FETCH_DATA_AT
+    files, errors = {}, {}
+    for path in paths:
+        try:
+            fd = _open_beneath(path)
+        except FileNotFoundError:
+            errors[path] = "no such file"
+            continue
+        except OSError as exc:
+            errors[path] = "a symbolic link" if exc.errno == 40 else f"cannot open: {os.strerror(exc.errno)}"
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                errors[path] = "not a regular file"
+                continue
+            if st.st_size > room - (offset - FETCH_DATA_AT):
+                errors[path] = f"{st.st_size} bytes: more than the {room - (offset - FETCH_DATA_AT)} left to fetch"
+                continue
+            start = offset
+            while offset - start < st.st_size:
+                chunk = os.read(fd, min(1 << 20, st.st_size - (offset - start)))
+                if not chunk:
+                    break
+                os.pwrite(out_fd, chunk, offset)
+                offset += len(chunk)
+            files[path] = [start, offset - start]
+        finally:
+            os.close(fd)
+    index = json.dumps({"files": files, "errors": errors}).encode()
+    if len(index) > FETCH_DATA_AT - 4:
+        index = json.dumps({"files": {}, "errors": {p: "too many files to fetch" for p in paths}}).encode()
+    os.pwrite(out_fd, len(index).to_bytes(4, "little") + index, 0)
+
+
+def _collect(list_fd, out_fd, timeout_s):
+    """Fetch files in a child of their own (never in the zygote), within `timeout_s`."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _fetch_files(list_fd, out_fd)
+        except BaseException as exc:
+            _log("collector:", type(exc).__name__, exc)
+            code = 1
+        os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd], [], [], timeout_s)
+    os.close(pidfd)
+    if not ready:
+        _kill_everything()
+    else:
+        os.waitpid(pid, 0)
 
 
 def _report_setup_error(setup_fd, exc):
@@ -331,7 +463,7 @@ def _child(fds, limits, main=None):
     """Runs in the forked child; never returns."""
     import mmap
 
-    code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd = fds
+    code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd = fds[:6]
     report = None
     try:
         if main is None:
@@ -339,6 +471,8 @@ def _child(fds, limits, main=None):
         report = mmap.mmap(report_fd, limits["report_bytes"])
         size = os.fstat(code_fd).st_size
         code = os.pread(code_fd, size, 0) if size else b""
+        if len(fds) > 6:
+            _write_files(fds[6])
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
@@ -513,10 +647,10 @@ def _take_spare():
 
 def _run(ctl, data, msg, fds, baseline):
     seq = msg["seq"]
-    if len(fds) != 6:
+    if len(fds) not in CALL_FDS:
         for fd in fds:
             os.close(fd)
-        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 6 fds, got {len(fds)}"})
+        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 6 or 9 fds, got {len(fds)}"})
         _send(ctl, {"op": "ready", "seq": seq, "clean": True, "spare": _spare_child is not None})
         return
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -543,7 +677,8 @@ def _run(ctl, data, msg, fds, baseline):
             finally:
                 _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
         pidfd = os.pidfd_open(pid)
-    for fd in fds:
+    fetch = fds[7:]  # the fetch list and fetch-out memfds stay for the collector
+    for fd in fds[:7]:
         os.close(fd)
     deadline = t0 + msg["wall_s"]
     poller = select.poll()
@@ -579,6 +714,11 @@ def _run(ctl, data, msg, fds, baseline):
     os.close(pidfd)
     _kill_everything()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if fetch:
+        if msg.get("fetch"):
+            _collect(fetch[0], fetch[1], FETCH_TIMEOUT_S)
+        for fd in fetch:
+            os.close(fd)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     exited = {
         "op": "exited", "seq": seq, "wait_status": status, "wall_s": wall, "cpu_s": cpu,
@@ -621,7 +761,7 @@ def main():
                 "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge})
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 8)
+            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 16)
             if not data:
                 os._exit(0)  # the worker closed the socket: stop
             msg = json.loads(data)

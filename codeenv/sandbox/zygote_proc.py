@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from codeenv.errors import SandboxError
+from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import REPORT_BYTES, WORKDIR, config_text, jail_config
@@ -67,6 +68,8 @@ class Outcome:
     memory_peak_kb: int | None = None
     watchdog_fired: bool = False
     setup_error: str | None = None
+    fetched: dict[str, bytes] | None = None
+    fetch_errors: dict[str, str] | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -102,6 +105,33 @@ def _started_mark(setup_fd: int) -> bool:
         return os.pread(setup_fd, 1, REPORT_BYTES - 1) == b"\x01"
     except OSError:
         return True  # cannot prove it never started
+
+
+def _pack_files(files: list[tuple[str, bytes]]) -> bytes:
+    """Input files as the child reads them: index length, JSON index [[path, size], ...], contents."""
+    index = json.dumps([[path, len(data)] for path, data in files]).encode()
+    return len(index).to_bytes(4, "little") + index + b"".join(data for _, data in files)
+
+
+def _read_fetched(fd: int, asked: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
+    """The collector's copies; whatever it did not account for is reported missing. The index was
+    written inside the jail, so it is checked like any untrusted input."""
+    files: dict[str, bytes] = {}
+    errors: dict[str, str] = {}
+    try:
+        size = int.from_bytes(os.pread(fd, 4, 0), "little")
+        index = json.loads(os.pread(fd, size, 4)) if 0 < size < zygote_module.FETCH_DATA_AT - 4 else {}
+        end = os.fstat(fd).st_size
+        for path in asked:
+            where = index.get("files", {}).get(path)
+            if (isinstance(where, list) and len(where) == 2 and all(isinstance(v, int) for v in where)
+                    and zygote_module.FETCH_DATA_AT <= where[0] and where[1] >= 0 and where[0] + where[1] <= end):
+                files[path] = os.pread(fd, where[1], where[0])
+            else:
+                errors[path] = str(index.get("errors", {}).get(path, "could not be fetched"))[:200]
+    except (OSError, ValueError, AttributeError, RecursionError):
+        errors = {path: "could not be fetched" for path in asked if path not in files}
+    return files, errors
 
 
 def _sealed_memfd(name: str, data: bytes) -> int:
@@ -399,8 +429,13 @@ class ZygoteProcess:
         self.cgroup.reset_peak()
         return self.cgroup.memory_usage()
 
-    async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True) -> Outcome:
-        """Run one call. Raises ZygoteDied(started=False) only if it provably never started."""
+    async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True,
+                  files: list[tuple[str, bytes]] | None = None, fetch: list[str] | None = None) -> Outcome:
+        """Run one call. Raises ZygoteDied(started=False) only if it provably never started.
+
+        `files` are written into the work dir before the program runs (by the child), `fetch`
+        names files read back after it ends (by a collector child), both inside the jail.
+        """
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
         loop = asyncio.get_running_loop()
@@ -440,18 +475,26 @@ class ZygoteProcess:
                     theirs.append(fd)
                     os.ftruncate(fd, REPORT_BYTES)
                     ours.append(os.dup(fd))
+                if files or fetch:
+                    theirs.append(_sealed_memfd("files", _pack_files(files or [])))
+                    theirs.append(_sealed_memfd("fetch", json.dumps(fetch or []).encode()))
+                    fd = os.memfd_create("fetched", os.MFD_CLOEXEC)
+                    theirs.append(fd)
+                    os.ftruncate(fd, zygote_module.FETCH_DATA_AT + self.settings.max_fetch_bytes)
+                    ours.append(os.dup(fd))
                 msg = {
                     "op": "run", "seq": seq, "wall_s": limits.wall_s,
                     "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
                     "nofile": limits.open_files, "report_bytes": REPORT_BYTES,
-                    "spare": prefork_next and self.settings.prefork,
+                    "spare": prefork_next and self.settings.prefork, "fetch": bool(fetch),
                 }
                 t0 = time.monotonic()
                 self._send(msg, theirs)
             finally:
                 for fd in theirs:
                     os.close(fd)
-            out_r, err_r, report_fd, setup_fd = ours
+            out_r, err_r, report_fd, setup_fd = ours[:4]
+            fetched_fd = ours[4] if len(ours) > 4 else None
             drains = [
                 _Drain(loop, out_r, limits.output_bytes, overflow),
                 _Drain(loop, err_r, limits.output_bytes, overflow),
@@ -490,6 +533,8 @@ class ZygoteProcess:
             setup = self._read_report(setup_fd)
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+            if fetch and fetched_fd is not None and out.exited is not None:
+                out.fetched, out.fetch_errors = _read_fetched(fetched_fd, fetch)
             with contextlib.suppress(OSError, ValueError):
                 # Counters only move while a call runs: these are the next call's baseline too.
                 events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())

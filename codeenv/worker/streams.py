@@ -214,7 +214,10 @@ class StreamWorker:
                         entries = [(e, f, False) for e, f in (got[0][1] if got else [])]
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
-                    raise
+                    logger.error("claim refused: %s; retrying in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+                    continue
                 logger.warning("the consumer group is gone (Redis restarted?); creating it again")
                 try:
                     await ensure_group(self._r, self.keys)
@@ -364,7 +367,7 @@ class StreamWorker:
 
     async def _beat(self) -> None:
         pool = self.pool
-        stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, sum(pool.stats.values()))
+        stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, pool.calls_started)
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.alive(self.name), stats, px=int(self.settings.worker_dead_after_s * 1000))
             pipe.hset(self.keys.workers, self.name, stats)

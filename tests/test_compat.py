@@ -1,0 +1,227 @@
+"""The code-judge and SandboxFusion endpoints, called the way their real clients call them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from sandbox_fusion import RunCodeRequest, run_code
+
+from codeenv import SlotPool
+from codeenv.api import create_app
+from codeenv.settings import GatewaySettings
+from tests.conftest import free_port
+from tests.test_api import SharedPoolQueue
+
+SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=1, code_judge_queue_wait_s=20)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(pool: SlotPool) -> AsyncIterator[str]:
+    """A real uvicorn server on the session's pool (sync clients call it from threads)."""
+    port = free_port()
+    app = create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    await task
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+# --- SandboxFusion, through the sandbox-fusion package ----------------------------------------
+
+
+async def fusion(server: str, **fields: Any) -> Any:
+    return await asyncio.to_thread(run_code, RunCodeRequest(language="python", **fields), endpoint=server,
+                                   max_attempts=1)
+
+
+async def test_sandbox_fusion_client_success_error_timeout_stdin(server: str) -> None:
+    ok = await fusion(server, code="print(1 + 1)")
+    assert (ok.status, ok.run_result.status, ok.run_result.return_code, ok.run_result.stdout) == (
+        "Success", "Finished", 0, "2\n")
+    failed = await fusion(server, code="1 / 0")
+    assert (failed.status, failed.run_result.status, failed.run_result.return_code) == ("Failed", "Finished", 1)
+    assert "ZeroDivisionError" in failed.run_result.stderr
+    slow = await fusion(server, code="while True: pass", run_timeout=1)
+    assert (slow.status, slow.run_result.status, slow.run_result.return_code) == ("Failed", "TimeLimitExceeded", None)
+    echo = await fusion(server, code="print(input()[::-1])", stdin="abc\n")
+    assert echo.run_result.stdout == "cba\n"
+    killed = await fusion(server, code="import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")
+    assert killed.status == "Failed" and killed.run_result.return_code == -15
+
+
+async def test_sandbox_fusion_client_files_in_and_out(server: str) -> None:
+    resp = await fusion(server, code="data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data.upper())",
+                        files={"in/data.txt": b64(b"hello files")}, fetch_files=["out.txt", "missing.txt"])
+    assert resp.status == "Success"
+    assert base64.b64decode(resp.files["out.txt"]) == b"HELLO FILES"
+    assert "missing.txt" not in resp.files and "could not fetch missing.txt" in resp.message
+
+
+async def test_sandbox_fusion_as_verl_sends_it(server: str) -> None:
+    payload = {"compile_timeout": 10, "run_timeout": 500, "code": "import sys\nprint(sys.stdin.read())",
+               "stdin": "None", "memory_limit_MB": 1024, "language": "python", "files": {}, "fetch_files": [],
+               "some_future_field": True}
+    async with httpx.AsyncClient(base_url=server, timeout=30) as c:
+        r = await c.post("/run_code", json=payload)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "Success" and body["run_result"]["stdout"] == "None\n"
+        assert "run_timeout 500s clamped to the server's cap of 120s" in body["message"]
+        assert (await c.post("/run_code", json={"code": "print(3)"})).json()["run_result"]["stdout"] == "3\n"
+        cpp = (await c.post("/run_code", json={"code": "int main(){}", "language": "cpp"})).json()
+        assert cpp["status"] == "SandboxError" and "only python" in cpp["message"]
+        assert (await c.get("/v1/ping")).json() == "pong"
+        for bad in ({"code": 1}, {"code": "1", "fetch_files": ["../x"]}, {"code": "1", "files": {"/etc/x": ""}}):
+            r = await c.post("/run_code", json=bad)
+            assert r.status_code == 422, r.text
+
+
+async def test_sandbox_fusion_fetch_refusals(server: str) -> None:
+    code = ("import os\nos.symlink('/proc/1/environ', 'env')\nos.mkfifo('fifo')\nos.symlink('/dev/zero', 'zero')\n"
+            "open('sparse', 'wb').truncate(48 << 20)\nprint('made')")
+    resp = await fusion(server, code=code, fetch_files=["env", "fifo", "zero", "sparse"])
+    assert resp.status == "Success" and resp.files == {}
+    for path in ("env", "fifo", "zero", "sparse"):
+        assert f"could not fetch {path}:" in resp.message
+
+
+async def test_sandbox_fusion_overload_is_504(pool: SlotPool) -> None:
+    settings = GatewaySettings(slots=2, max_queued=1)
+    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        replies = await asyncio.gather(*(c.post("/run_code", json={"code": "import time; time.sleep(0.3)",
+                                                                  "language": "python"}) for _ in range(6)))
+    codes = Counter(r.status_code for r in replies)
+    assert codes[200] == 3 and codes[504] == 3, codes
+
+
+# --- code-judge, as rStar2-Agent's tool calls it ------------------------------------------------
+
+
+async def long_batch(c: httpx.AsyncClient, codes: list[str], max_retries: int = 4) -> list[dict[str, Any]]:
+    """rStar2-Agent's call_long_batch: re-send only the items answered queue_timeout."""
+    results: list[dict[str, Any] | None] = [None] * len(codes)
+    todo = list(range(len(codes)))
+    for _ in range(max_retries):
+        body = {"type": "batch", "submissions": [{"type": "python", "solution": codes[i], "input": None}
+                                                 for i in todo]}
+        r = await c.post("/run/long-batch", json=body)
+        r.raise_for_status()
+        again = []
+        for i, res in zip(todo, r.json()["results"], strict=True):
+            if res["reason"] == "queue_timeout":
+                again.append(i)
+            else:
+                results[i] = res
+        if not again:
+            break
+        todo = again
+    assert all(r is not None for r in results)
+    return [r for r in results if r is not None]
+
+
+async def test_a_thousand_calls_as_rstar2_agent_sends_them(server: str, pool: SlotPool) -> None:
+    codes = []
+    for i in range(1000):
+        if i % 50 == 7:
+            codes.append("while True: pass")
+        elif i % 10 == 3:
+            codes.append(f"raise ValueError({i})")
+        else:
+            codes.append(f"import math\nprint(math.factorial({i % 20}))")
+    before = pool.calls_started
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        async def chunk(start: int) -> list[dict[str, Any]]:
+            return await long_batch(c, codes[start:start + 32])
+
+        parts = await asyncio.gather(*(chunk(s) for s in range(0, 1000, 32)))
+    results = [r for part in parts for r in part]
+    assert pool.calls_started - before == 1000  # each ran once
+    import math
+
+    for i, (code, res) in enumerate(zip(codes, results, strict=True)):
+        assert set(res) == {"sub_id", "success", "run_success", "cost", "stdout", "stderr", "reason"}
+        if "while True" in code:
+            assert (res["run_success"], res["reason"]) == (False, "worker_timeout"), res
+        elif "raise" in code:
+            assert (res["run_success"], res["reason"]) == (False, "") and "ValueError" in res["stderr"], res
+        else:
+            assert res["run_success"] and res["success"] and res["stdout"] == f"{math.factorial(i % 20)}\n", res
+
+
+async def test_code_judge_judge_and_single_endpoints(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=30) as c:
+        r = (await c.post("/run", json={"type": "python", "solution": "print(input())", "input": "hi",
+                                        "sub_id": "s1"})).json()
+        assert (r["sub_id"], r["success"], r["run_success"], r["stdout"], r["reason"]) == ("s1", True, True, "hi\n", "")
+        right, wrong = (await c.post("/judge/batch", json={"type": "batch", "sub_id": "b", "submissions": [
+            {"type": "python", "solution": "print(6 * 7)", "expected_output": "42\n\n"},
+            {"type": "python", "solution": "print(6 * 9)", "expected_output": "42"}]})).json()["results"]
+        assert right["success"] and right["run_success"] and "stdout" not in right
+        assert not wrong["success"] and wrong["run_success"] and wrong["reason"] == ""
+        cpp = (await c.post("/run", json={"type": "cpp", "solution": "int main(){}"})).json()
+        assert cpp["reason"] == "invalid_input" and not cpp["run_success"] and "only 'python'" in cpp["stderr"]
+        assert (await c.post("/run/batch", json={"type": "batch", "submissions": []})).status_code == 422
+        assert (await c.post("/run", json={"type": "cobol", "solution": "x"})).status_code == 422
+        assert (await c.get("/ping")).json() == "pong"
+        status = (await c.get("/status")).json()
+        assert set(status) == {"queue", "num_workers"} and status["num_workers"] >= 1
+        long = (await c.post("/run", json={"type": "python", "solution": "print('x' * 5000)"})).json()
+        assert long["run_success"] and len(long["stdout"]) == SETTINGS.code_judge_return_chars
+
+
+HOSTILE = [
+    ("x = bytearray(4 * 1024**3)", "memory"),
+    ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", "timeout"),
+    ("import sys\nwhile True: sys.stdout.write('y' * 65536)", "output"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 6379), timeout=1)", "error"),
+    ("import os, signal\nfor s in range(1, 65):\n    try: os.kill(1, s)\n    except OSError: pass\nprint('done')",
+     "ok"),
+    ("import os\nos.kill(os.getpid(), 9)", "error"),
+]
+
+
+async def test_hostile_programs_on_both_compatibility_apis(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        judged = (await c.post("/run/batch", json={"type": "batch", "submissions": [
+            {"type": "python", "solution": code} for code, _ in HOSTILE]})).json()["results"]
+        fused = await asyncio.gather(*(c.post("/run_code", json={"code": code, "language": "python",
+                                                                  "run_timeout": 1, "memory_limit_MB": 256})
+                                       for code, _ in HOSTILE))
+    for (code, kind), cj, sf in zip(HOSTILE, judged, (r.json() for r in fused), strict=True):
+        if kind == "ok":
+            assert cj["run_success"] and sf["status"] == "Success", (code, cj, sf)
+            continue
+        assert not cj["run_success"] and cj["reason"] in ("", "worker_timeout"), (code, cj)
+        assert sf["status"] == "Failed", (code, sf)
+        if kind == "timeout":
+            assert cj["reason"] == "worker_timeout" and sf["run_result"]["status"] == "TimeLimitExceeded"
+        if kind in ("memory", "output"):
+            assert kind in sf["message"] or "limit" in sf["message"], sf
+
+
+async def test_a_deep_queue_with_rstar2_agent_retries_runs_each_call_once(pool: SlotPool) -> None:
+    """More queued work than the wait allows: late calls come back queue_timeout (never run), the
+    client re-sends just those, and every call ends up run exactly once."""
+    settings = GatewaySettings(slots=2, code_judge_wall_s=2, code_judge_queue_wait_s=1.0)
+    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+    codes = [f"import time\ntime.sleep(0.25)\nprint({i})" for i in range(24)]  # 3 s of work on 2 slots
+    before = pool.calls_started
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        results = await long_batch(c, codes, max_retries=10)
+    assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(24)]
+    assert pool.calls_started - before == 24
