@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import pytest
 import pytest_asyncio
 import uvicorn
 from sandbox_fusion import RunCodeRequest, run_code
@@ -30,7 +29,7 @@ async def server(pool: SlotPool) -> AsyncIterator[str]:
     app = create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(srv.serve())
-    while not srv.started:
+    while not srv.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
         await asyncio.sleep(0.02)
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True

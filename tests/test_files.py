@@ -17,7 +17,8 @@ def b64(data: bytes) -> str:
 async def test_files_in_and_out(pool: SlotPool) -> None:
     blob = bytes(range(256)) * 100
     result = await pool.run(ExecRequest(
-        code="import os\nprint(open('data/in.txt').read())\nopen('out/result.bin', 'wb').write(open('blob', 'rb').read()[::-1])\n"
+        code="import os\nprint(open('data/in.txt').read())\n"
+             "open('out/result.bin', 'wb').write(open('blob', 'rb').read()[::-1])\n"
              "open('note.txt', 'w').write('written inside')",
         files={"data/in.txt": b64(b"hello from the trainer"), "blob": b64(blob), "out/.keep": ""},
         fetch_files=["out/result.bin", "note.txt", "data/in.txt"]))
