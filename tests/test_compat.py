@@ -224,3 +224,16 @@ async def test_a_deep_queue_with_rstar2_agent_retries_runs_each_call_once(pool: 
         results = await long_batch(c, codes, max_retries=10)
     assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(24)]
     assert pool.calls_started - before == 24
+
+
+async def test_the_math_verify_image_runs_a_reward_check() -> None:
+    """The shipped reward image recipe builds, and a trainer's reward check runs in its jails."""
+    from codeenv import ExecRequest, SandboxSettings
+
+    settings = SandboxSettings(slots=1, image="python-math-verify", uid_base=SandboxSettings().uid_base + 560)
+    async with SlotPool(settings) as reward_pool:
+        code = ("from math_verify import parse, verify\n"
+                "print(verify(parse('$\\\\frac{1}{2}$'), parse('0.5')), verify(parse('$3$'), parse('4')))")
+        result = await reward_pool.run(ExecRequest(code=code))
+    assert result.status == "ok" and result.stdout == "True False\n", result
+    assert result.profile == "reward"
