@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+#: The endpoints that take a JSON body (read, capped and parsed once, in Guard).
+JSON_POSTS = frozenset({"/v1/execute", "/v1/execute/batch", "/run_code"} | {
+    f"/{verb}{suffix}" for verb in ("run", "judge") for suffix in ("", "/batch", "/long-batch")})
 LAG_PROBE_S = 0.5
 DISCONNECT_POLL_S = 0.25
 
@@ -300,7 +303,7 @@ def _body_schema(model: str) -> dict[str, Any]:
 
 
 class Guard:
-    """ASGI middleware in front of every route: the token, then the body of every POST.
+    """ASGI middleware in front of every route: the token, then the body of JSON_POSTS.
 
     The body is read here once, capped (413) and parsed (400), and left in the scope; the app then
     sees an empty body followed by the client's real messages, so an endpoint can still notice
@@ -321,7 +324,7 @@ class Guard:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            if scope["method"] == "POST":  # every POST endpoint takes JSON
+            if scope["method"] == "POST" and scope["path"] in JSON_POSTS:
                 body = await self._read_body(scope, receive)
                 if body is None:
                     return  # the client went away while sending

@@ -149,9 +149,9 @@ def add_code_judge(app: FastAPI, settings: GatewaySettings, calls: CallQueue, an
         return "pong"
 
     @app.get("/status", tags=tags)
-    async def status() -> dict[str, float]:
+    async def status() -> dict[str, int]:
         stats = calls.stats()
-        return {"queue": stats["waiting"], "num_workers": stats["workers"]}
+        return {"queue": int(stats["waiting"]), "num_workers": int(stats["workers"])}
 
 
 # --- SandboxFusion -------------------------------------------------------------------------------
