@@ -17,10 +17,27 @@ from codeenv.errors import (
     SandboxError,
 )
 from codeenv.models import ErrorInfo, ExecRequest, ExecResult, LimitName, Limits, Status
-from codeenv.sandbox.pool import SlotPool
-from codeenv.settings import SandboxSettings
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from codeenv.sandbox.pool import SlotPool
+    from codeenv.settings import SandboxSettings
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The engine loads on first use, so that `codeenv.client` and `codeenv.rl` import nothing of
+    # the server (nsjail, FastAPI, Redis, settings).
+    if name == "SlotPool":
+        from codeenv.sandbox.pool import SlotPool
+
+        return SlotPool
+    if name == "SandboxSettings":
+        from codeenv.settings import SandboxSettings
+
+        return SandboxSettings
+    raise AttributeError(f"module 'codeenv' has no attribute {name!r}")
 
 __all__ = [
     "CodeenvError",
@@ -36,6 +53,5 @@ __all__ = [
     "SandboxError",
     "SandboxSettings",
     "SlotPool",
-
     "Status",
 ]

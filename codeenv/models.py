@@ -5,11 +5,14 @@ from __future__ import annotations
 import base64
 import binascii
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
-from codeenv.settings import LimitValues, SandboxSettings
+
+if TYPE_CHECKING:
+    from codeenv.settings import SandboxSettings
 
 
 class Status(StrEnum):
@@ -26,6 +29,18 @@ class Status(StrEnum):
     rejected = "rejected"
 
 
+#: Verdicts that are the program's doing (a tool error, from the model's point of view).
+PROGRAM_FAILURES = frozenset({Status.error, Status.timeout, Status.memory, Status.output_limit, Status.killed})
+#: Verdicts that are the service's doing: not held against the model.
+SERVICE_FAULTS = frozenset({Status.overloaded, Status.internal_error, Status.rejected})
+
+
+def code_judge_reason(status: Status) -> str:
+    """code-judge's `reason` for one of our verdicts ("" for a run that ended, however it ended)."""
+    return {Status.timeout: "worker_timeout", Status.overloaded: "queue_timeout",
+            Status.internal_error: "internal_error", Status.rejected: "invalid_input"}.get(status, "")
+
+
 class LimitName(StrEnum):
     """Which limit fired."""
 
@@ -35,6 +50,18 @@ class LimitName(StrEnum):
     output = "output"
     pids = "pids"
     file_size = "file_size"
+
+
+class LimitValues(BaseModel):
+    """One full set of per-call limits (used for both the server's caps and its defaults)."""
+
+    wall_s: float = Field(gt=0, allow_inf_nan=False)
+    cpu_s: float = Field(gt=0, allow_inf_nan=False)
+    memory_mb: int = Field(gt=0)
+    output_bytes: int = Field(gt=0, description="bytes kept per stream (stdout, stderr)")
+    processes: int = Field(gt=0, description="processes and threads the call may have at once")
+    open_files: int = Field(ge=16)
+    file_size_mb: int = Field(gt=0, description="largest file the call may write")
 
 
 class Limits(BaseModel):

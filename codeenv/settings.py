@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 from typing import Self
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from codeenv.models import LimitValues
 
 
 def _default_state_dir() -> Path:
@@ -22,18 +24,6 @@ def _default_state_dir() -> Path:
         return Path("/var/lib/codeenv")
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "codeenv"
-
-
-class LimitValues(BaseModel):
-    """One full set of per-call limits (used for both the server's caps and its defaults)."""
-
-    wall_s: float = Field(gt=0, allow_inf_nan=False)
-    cpu_s: float = Field(gt=0, allow_inf_nan=False)
-    memory_mb: int = Field(gt=0)
-    output_bytes: int = Field(gt=0, description="bytes kept per stream (stdout, stderr)")
-    processes: int = Field(gt=0, description="processes and threads the call may have at once")
-    open_files: int = Field(ge=16)
-    file_size_mb: int = Field(gt=0, description="largest file the call may write")
 
 
 class CapValues(LimitValues):

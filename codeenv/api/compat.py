@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.models import ExecRequest, ExecResult, Status, code_judge_reason
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
 
@@ -58,8 +58,7 @@ def _judge_result(sub: Submission, result: ExecResult, return_chars: int, with_o
     """code-judge's result fields from ours. `reason` says only what code-judge's clients act on:
     a program that ran out of time, memory or output is a failed run (reason "" or worker_timeout),
     not the service's fault."""
-    reason = {Status.timeout: "worker_timeout", Status.overloaded: "queue_timeout",
-              Status.internal_error: "internal_error", Status.rejected: "invalid_input"}.get(result.status, "")
+    reason = code_judge_reason(result.status)
     run_success = result.status == Status.ok and result.exit_code == 0
     success = run_success and (sub.expected_output is None
                                or result.stdout.strip() == sub.expected_output.strip())

@@ -51,22 +51,24 @@ def _read_int(path: Path) -> int:
 
 
 class _ControlFiles:
-    """Cgroup control files kept open: a call reads several of them, and open() is the slow part."""
+    """Cgroup control files kept open: a call reads several of them, and open() is the slow part.
+
+    Files are named by their directory and name, so that no Path is built per call (hot path)."""
 
     def __init__(self) -> None:
-        self._fds: dict[tuple[Path, int], int] = {}
+        self._fds: dict[tuple[Path, str, int], int] = {}
 
-    def _fd(self, path: Path, flags: int) -> int:
-        fd = self._fds.get((path, flags))
+    def _fd(self, directory: Path, name: str, flags: int) -> int:
+        fd = self._fds.get((directory, name, flags))
         if fd is None:
-            fd = self._fds[path, flags] = os.open(path, flags | os.O_CLOEXEC)
+            fd = self._fds[directory, name, flags] = os.open(directory / name, flags | os.O_CLOEXEC)
         return fd
 
-    def read(self, path: Path) -> str:
-        return os.pread(self._fd(path, os.O_RDONLY), 4096, 0).decode()
+    def read(self, directory: Path, name: str) -> str:
+        return os.pread(self._fd(directory, name, os.O_RDONLY), 4096, 0).decode()
 
-    def write(self, path: Path, value: str) -> None:
-        os.write(self._fd(path, os.O_WRONLY), value.encode())
+    def write(self, directory: Path, name: str, value: str) -> None:
+        os.write(self._fd(directory, name, os.O_WRONLY), value.encode())
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -160,8 +162,8 @@ class V1Cgroup:
         if self.cpu is None:
             return
         try:
-            self._files.write(self.cpu / "cpu.cfs_period_us", "100000")
-            self._files.write(self.cpu / "cpu.cfs_quota_us", str(int(cpus * 100_000)) if cpus > 0 else "-1")
+            self._files.write(self.cpu, "cpu.cfs_period_us", "100000")
+            self._files.write(self.cpu, "cpu.cfs_quota_us", str(int(cpus * 100_000)) if cpus > 0 else "-1")
         except OSError as exc:  # v1 refuses a quota above the parent's (a CPU-limited container)
             logger.warning("no CPU cap of %g for %s (%s): the parent cgroup's own cap applies", cpus, self.name, exc)
 
@@ -170,33 +172,33 @@ class V1Cgroup:
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         files = ["memory.limit_in_bytes"] + (["memory.memsw.limit_in_bytes"] if self._memsw else [])
-        current = _parse_int(self._files.read(self.memory / "memory.limit_in_bytes"))
+        current = _parse_int(self._files.read(self.memory, "memory.limit_in_bytes"))
         # memsw must stay >= the memory limit at every moment: raise memsw first, lower it last.
         if limit_bytes > current:
             files.reverse()
         for f in files:
-            self._files.write(self.memory / f, str(limit_bytes))
+            self._files.write(self.memory, f, str(limit_bytes))
 
     def set_pids_max(self, count: int) -> None:
-        self._files.write(self.pids / "pids.max", str(count))
+        self._files.write(self.pids, "pids.max", str(count))
 
     def memory_usage(self) -> int:
-        return _parse_int(self._files.read(self.memory / "memory.usage_in_bytes"))
+        return _parse_int(self._files.read(self.memory, "memory.usage_in_bytes"))
 
     def reset_peak(self) -> None:
-        self._files.write(self.memory / "memory.max_usage_in_bytes", "0")
+        self._files.write(self.memory, "memory.max_usage_in_bytes", "0")
 
     def memory_peak(self) -> int | None:
-        return _parse_int(self._files.read(self.memory / "memory.max_usage_in_bytes"))
+        return _parse_int(self._files.read(self.memory, "memory.max_usage_in_bytes"))
 
     def oom_kills(self) -> int:
-        return _parse_keyed(self._files.read(self.memory / "memory.oom_control")).get("oom_kill", 0)
+        return _parse_keyed(self._files.read(self.memory, "memory.oom_control")).get("oom_kill", 0)
 
     def pids_current(self) -> int:
-        return _parse_int(self._files.read(self.pids / "pids.current"))
+        return _parse_int(self._files.read(self.pids, "pids.current"))
 
     def pids_limit_hits(self) -> int:
-        return _parse_keyed(self._files.read(self.pids / "pids.events")).get("max", 0)
+        return _parse_keyed(self._files.read(self.pids, "pids.events")).get("max", 0)
 
     def procs(self) -> list[int]:
         pids: set[int] = set()
@@ -236,7 +238,7 @@ class V2Cgroup:
         if not (self.path / "cpu.max").exists():
             return
         try:
-            self._files.write(self.path / "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
+            self._files.write(self.path, "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
         except OSError as exc:
             logger.warning("no CPU cap of %g for %s (%s)", cpus, self.name, exc)
 
@@ -247,17 +249,17 @@ class V2Cgroup:
         return _kill_procs(self)
 
     def set_memory_limit(self, limit_bytes: int) -> None:
-        self._files.write(self.path / "memory.max", str(limit_bytes))
+        self._files.write(self.path, "memory.max", str(limit_bytes))
         try:
-            self._files.write(self.path / "memory.swap.max", "0")
+            self._files.write(self.path, "memory.swap.max", "0")
         except OSError:
             pass
 
     def set_pids_max(self, count: int) -> None:
-        self._files.write(self.path / "pids.max", str(count))
+        self._files.write(self.path, "pids.max", str(count))
 
     def memory_usage(self) -> int:
-        return _parse_int(self._files.read(self.path / "memory.current"))
+        return _parse_int(self._files.read(self.path, "memory.current"))
 
     def reset_peak(self) -> None:
         if self._peak_fd is not None:
@@ -273,13 +275,13 @@ class V2Cgroup:
         return int(os.pread(self._peak_fd, 64, 0).decode().strip())
 
     def oom_kills(self) -> int:
-        return _parse_keyed(self._files.read(self.path / "memory.events")).get("oom_kill", 0)
+        return _parse_keyed(self._files.read(self.path, "memory.events")).get("oom_kill", 0)
 
     def pids_current(self) -> int:
-        return _parse_int(self._files.read(self.path / "pids.current"))
+        return _parse_int(self._files.read(self.path, "pids.current"))
 
     def pids_limit_hits(self) -> int:
-        return _parse_keyed(self._files.read(self.path / "pids.events")).get("max", 0)
+        return _parse_keyed(self._files.read(self.path, "pids.events")).get("max", 0)
 
     def procs(self) -> list[int]:
         try:

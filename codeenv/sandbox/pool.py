@@ -28,14 +28,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote_proc import ZygoteDied, ZygoteProcess
-from codeenv.settings import LimitValues, SandboxSettings
+from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
 

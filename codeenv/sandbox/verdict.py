@@ -11,9 +11,8 @@ import os
 import signal as signals
 from typing import Any
 
-from codeenv.models import ErrorInfo, ExecResult, LimitName, Status
+from codeenv.models import ErrorInfo, ExecResult, LimitName, LimitValues, Status
 from codeenv.sandbox.zygote_proc import Outcome
-from codeenv.settings import LimitValues
 
 
 def _error_info(report: dict[str, Any] | None) -> ErrorInfo | None:

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from codeenv.errors import SandboxError
+from codeenv.models import LimitValues
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import REPORT_BYTES, WORKDIR, config_text, jail_config
-from codeenv.settings import LimitValues, SandboxSettings
+from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,310 @@
+"""The asynchronous, micro-batching client."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
+from codeenv.models import ExecRequest, ExecResult, Status
+
+
+class Recorder(Protocol):
+    """Anything that keeps a trajectory's tool calls (e.g. codeenv.rl.ToolLedger)."""
+
+    def record(self, result: ExecResult) -> None: ...
+
+
+@dataclass(eq=False)
+class _Item:
+    request: ExecRequest
+    future: asyncio.Future[ExecResult]
+    created: float
+    deadline: float | None  # monotonic time by which the call must have started
+    attempts: int = 0
+    last: ExecResult | None = field(default=None)
+
+
+class AsyncClient:
+    """Runs programs on a codeenv service; many concurrent calls become few HTTP requests.
+
+    Usage::
+
+        async with AsyncClient("http://127.0.0.1:8000") as client:
+            result = await client.run("print(6 * 7)", limits={"wall_s": 5})
+            results = await client.run_many(["print(1)", "print(2)"])
+
+    Batching: a call goes out at once while fewer than `max_in_flight` requests are outstanding;
+    calls arriving while that many are out join the next batch, which leaves when a request
+    returns or when its oldest call has waited `max_wait_s`; a batch holds at most `max_batch` calls.
+
+    Retries: every call carries a client id (generated unless given). A call the service answered
+    `overloaded` with `started: false` is sent again, with the same id, after a jittered
+    exponential backoff that honours Retry-After, up to `retries` times and never past its
+    deadline. A lost connection or a 5xx without results is retried the same way: the id makes the
+    service attach a re-sent call to the one it may already be running, so nothing runs twice.
+    Results are data: a call that still could not run comes back `overloaded`; only calls that got
+    no result at all raise (see codeenv.client.errors).
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, token: str | None = None,
+                 max_in_flight: int = 8, max_batch: int = 256, max_wait_s: float = 0.05, retries: int = 5,
+                 backoff_s: float = 0.05, max_backoff_s: float = 2.0, default_wall_s: float = 10.0,
+                 grace_s: float = 30.0, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None, headers: Mapping[str, str] | None = None,
+                 seed: int | None = None) -> None:
+        if max_in_flight < 1 or max_batch < 1 or max_wait_s < 0 or retries < 0:
+            raise ValueError("max_in_flight and max_batch must be >= 1, max_wait_s and retries >= 0")
+        all_headers = {"content-type": "application/json", **(headers or {})}
+        if token is not None:
+            all_headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.AsyncClient(base_url=base_url, transport=transport, headers=all_headers, timeout=None)
+        self.max_in_flight, self.max_batch, self.max_wait_s = max_in_flight, max_batch, max_wait_s
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self.default_wall_s, self.grace_s = default_wall_s, grace_s
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._rng = random.Random(seed)
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._in_flight = 0
+        self._flush_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._sends: set[asyncio.Task[None]] = set()
+        self._retrying: set[asyncio.TimerHandle] = set()
+        self._closed = False
+        #: HTTP requests made so far (a batch counts once).
+        self.requests_sent = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client (idempotent): calls still waiting fail with ClientClosed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for handle in self._retrying:
+            handle.cancel()
+        for item in self._pending:
+            _fail(item, ClientClosed("the client was closed before the call was sent"))
+        self._pending.clear()
+        for task in list(self._sends):
+            task.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)
+        await self._http.aclose()
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    async def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None,
+                  id: str | None = None, profile: str | None = None, deadline_s: float | None = None,
+                  files: Mapping[str, str] | None = None, fetch_files: Iterable[str] | None = None,
+                  ledger: Recorder | None = None) -> ExecResult:
+        """Run one program; returns its structured result. `deadline_s`: it must start within this
+        many seconds (counted from now, across retries) or it comes back `overloaded`, not run."""
+        request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=id, profile=profile,
+                              deadline_s=deadline_s, files=dict(files or {}), fetch_files=list(fetch_files or []))
+        return await self.submit(request, ledger=ledger)
+
+    async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult:
+        """Run one prepared ExecRequest (an id is added if it has none)."""
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        if request.id is None:
+            request = request.model_copy(update={"id": uuid.uuid4().hex})
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        item = _Item(request, loop.create_future(), now,
+                     None if request.deadline_s is None else now + request.deadline_s)
+        self._enqueue(item)
+        result = await item.future
+        if ledger is not None:
+            ledger.record(result)
+        return result
+
+    async def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
+        """Run many programs concurrently; results in the same order. Items may be code strings,
+        ExecRequests, or dicts of ExecRequest's fields."""
+        prepared = [r if isinstance(r, ExecRequest) else ExecRequest(code=r) if isinstance(r, str)
+                    else ExecRequest.model_validate(dict(r)) for r in requests]
+        return list(await asyncio.gather(*(self.submit(r) for r in prepared)))
+
+    # --- batching -------------------------------------------------------------------------------
+
+    def _enqueue(self, item: _Item) -> None:
+        if self._closed:
+            _fail(item, ClientClosed("the client was closed"))
+            return
+        self._pending.append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self, force: bool = False) -> None:
+        """Send what may go now: below the in-flight cap, or everything once the oldest waited."""
+        self._flush_scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending and self._pending[0].future.done():
+            self._pending.popleft()  # its caller gave up before it was sent
+        now = time.monotonic()
+        while self._pending and (force or self._in_flight < self.max_in_flight
+                                 or now - self._pending[0].created >= self.max_wait_s):
+            batch: list[_Item] = []
+            while self._pending and len(batch) < self.max_batch:
+                item = self._pending.popleft()
+                if not item.future.done():
+                    batch.append(item)
+            if batch:
+                self._in_flight += 1
+                task = asyncio.ensure_future(self._send(batch))
+                self._sends.add(task)
+                task.add_done_callback(self._sends.discard)
+        if self._pending:
+            wait = max(0.0, self._pending[0].created + self.max_wait_s - now)
+            self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
+
+    async def _send(self, batch: list[_Item]) -> None:
+        try:
+            now = time.monotonic()
+            payload: list[str] = []
+            sendable: list[_Item] = []
+            wait_budget = 0.0
+            for item in batch:
+                remaining = None if item.deadline is None else item.deadline - now
+                if remaining is not None and remaining <= 0:
+                    item.future.set_result(item.last or _not_started(item, "its deadline passed before it was sent"))
+                    continue
+                request = item.request if remaining is None else item.request.model_copy(
+                    update={"deadline_s": remaining})
+                payload.append(request.model_dump_json(exclude_defaults=True))
+                sendable.append(item)
+                wall = item.request.limits.wall_s or self.default_wall_s
+                wait_budget = max(wait_budget, (self.timeout_s if remaining is None else remaining) + wall)
+            if not sendable:
+                return
+            timeout = httpx.Timeout(wait_budget + self.grace_s, connect=self.connect_timeout_s)
+            self.requests_sent += 1
+            try:
+                response = await self._http.post("/v1/execute/batch", timeout=timeout,
+                                                  content='{"requests":[' + ",".join(payload) + "]}")
+            except httpx.TransportError as exc:
+                for item in sendable:
+                    self._retry(item, exc)
+                return
+            self._handle(sendable, response)
+        except BaseException as exc:
+            for item in batch:
+                _fail(item, exc if isinstance(exc, asyncio.CancelledError | ClientClosed)
+                      else ServerError(f"the client failed on this batch: {exc!r}"))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._in_flight -= 1
+            if self._pending and not self._closed and not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    def _handle(self, items: list[_Item], response: httpx.Response) -> None:
+        code = response.status_code
+        retry_after = _retry_after(response)
+        if code in (200, 429):
+            try:
+                results = [ExecResult.model_validate(r) for r in response.json()["results"]]
+                if len(results) != len(items):
+                    raise ValueError(f"{len(results)} results for {len(items)} calls")
+            except (ValueError, KeyError, TypeError) as exc:
+                for item in items:
+                    _fail(item, ServerError(f"unreadable answer from the service: {exc}", code))
+                return
+            for item, result in zip(items, results, strict=True):
+                if result.status == Status.overloaded and not result.started:
+                    item.last = result
+                    self._retry(item, None, retry_after)
+                else:
+                    item.future.set_result(result)
+        elif 400 <= code < 500:
+            detail = _detail(response)
+            for item in items:
+                _fail(item, RequestRejected(f"the service refused the request ({code}): {detail}", code))
+        else:  # 5xx without results (a proxy, a crash): safe to re-send, the ids attach
+            error = ServerError(f"the service answered {code}: {_detail(response)}", code)
+            for item in items:
+                self._retry(item, error, retry_after)
+
+    def _retry(self, item: _Item, cause: BaseException | None, retry_after: float | None = None) -> None:
+        item.attempts += 1
+        if item.attempts > self.retries or self._closed:
+            if item.last is not None and cause is None:
+                item.future.set_result(item.last)
+            elif isinstance(cause, ServerError):
+                _fail(item, cause)
+            else:
+                _fail(item, _transport_error(cause, item.attempts))
+            return
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (item.attempts - 1)) * self._rng.uniform(0.5, 1.5)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.max_backoff_s * 4))
+        if item.deadline is not None and time.monotonic() + delay >= item.deadline:
+            if item.last is not None or cause is None:
+                item.future.set_result(item.last or _not_started(item, "its deadline passed while retrying"))
+            else:
+                _fail(item, _transport_error(cause, item.attempts))
+            return
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle | None = None
+
+        def again() -> None:
+            self._retrying.discard(handle)
+            self._enqueue(item)
+
+        handle = loop.call_later(delay, again)
+        self._retrying.add(handle)
+
+
+def _fail(item: _Item, exc: BaseException) -> None:
+    if item.future.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        item.future.cancel()
+    else:
+        item.future.set_exception(exc)
+
+
+def _transport_error(cause: BaseException | None, attempts: int) -> TransportError:
+    error = TransportError(f"the service could not be reached after {attempts} attempts: {cause!r}")
+    error.__cause__ = cause
+    return error
+
+
+def _not_started(item: _Item, why: str) -> ExecResult:
+    return ExecResult(id=item.request.id, status=Status.overloaded, started=False, message=f"{why}; not run")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return json.dumps(response.json().get("detail"))[:500]
+    except (ValueError, AttributeError):
+        return response.text[:500]

@@ -1,0 +1,67 @@
+"""A blocking facade over AsyncClient, for scripts and notebooks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Mapping
+from typing import Any
+
+from codeenv.client._async import AsyncClient, Recorder
+from codeenv.models import ExecRequest, ExecResult
+
+
+class Client:
+    """The same client, blocking. Its event loop runs in a thread of its own, so it also works
+    where a loop is already running (Jupyter).
+
+    Usage::
+
+        with Client("http://127.0.0.1:8000") as client:
+            print(client.run("print(6 * 7)").stdout)
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="codeenv-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncClient:
+            return AsyncClient(base_url, **options)
+
+        self._client = self._call(make())
+
+    def _call[T](self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None, id: str | None = None,
+            profile: str | None = None, deadline_s: float | None = None, files: Mapping[str, str] | None = None,
+            fetch_files: Iterable[str] | None = None, ledger: Recorder | None = None) -> ExecResult:
+        return self._call(self._client.run(code, stdin=stdin, limits=limits, id=id, profile=profile,
+                                           deadline_s=deadline_s, files=files, fetch_files=fetch_files, ledger=ledger))
+
+    def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
+        return self._call(self._client.run_many(list(requests)))
+
+    @property
+    def requests_sent(self) -> int:
+        return self._client.requests_sent
+
+    def close(self) -> None:
+        """Close the client and stop its thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._client.aclose())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
