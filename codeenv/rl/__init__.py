@@ -1,0 +1,18 @@
+"""RL helpers fed by codeenv's structured tool results: GRPO-RoC down-sampling and GRPO advantages.
+
+Pure Python and numpy: no torch, no server. See ``roc.py`` for the algorithm and its knobs.
+
+Usage::
+
+    from codeenv.rl import Rollout, ToolLedger, resample_on_correct, grpo_advantages
+
+    ledger = ToolLedger()
+    result = await client.run(code, ledger=ledger)       # the client fills it while a rollout runs
+    rollout = Rollout(reward=1.0, ledger=ledger)
+    keep = resample_on_correct(group_of_2G, G, rng=np.random.default_rng(step))
+    advantages = grpo_advantages([group_of_2G[i].reward for i in keep])
+"""
+
+from codeenv.rl.roc import Rollout, ToolLedger, grpo_advantages, resample_on_correct
+
+__all__ = ["Rollout", "ToolLedger", "grpo_advantages", "resample_on_correct"]
