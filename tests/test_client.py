@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import pytest_asyncio
+import uvicorn
 
 from codeenv import SlotPool
 from codeenv.api import create_app
@@ -31,15 +34,20 @@ from tests.test_api import SharedPoolQueue
 
 
 class Counting(httpx.AsyncBaseTransport):
-    """An ASGI transport that counts the HTTP requests it carries."""
+    """A transport (ASGI in-process, or real HTTP) that counts the HTTP requests it carries.
+    (httpx's ASGI transport delivers a response whole; streaming needs the real one.)"""
 
-    def __init__(self, app: object) -> None:
-        self.inner = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    def __init__(self, app: object | None = None) -> None:
+        self.inner: httpx.AsyncBaseTransport = (
+            httpx.ASGITransport(app=app) if app is not None else httpx.AsyncHTTPTransport())  # type: ignore[arg-type]
         self.requests = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.requests += 1
         return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def gateway(pool: SlotPool, **settings: object) -> Counting:
@@ -47,9 +55,24 @@ def gateway(pool: SlotPool, **settings: object) -> Counting:
     return Counting(create_app(config, SharedPoolQueue(pool, config.max_queued)))
 
 
-async def test_five_thousand_concurrent_calls_become_few_requests(pool: SlotPool) -> None:
-    transport = gateway(pool)
-    async with AsyncClient("http://codeenv", transport=transport, max_in_flight=8, max_batch=256) as client:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(pool: SlotPool) -> AsyncIterator[str]:
+    """A real uvicorn server on the session's pool."""
+    port = free_port()
+    config = GatewaySettings(slots=2)
+    app = create_app(config, SharedPoolQueue(pool, config.max_queued))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(srv.serve())
+    while not srv.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
+        await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    await task
+
+
+async def test_five_thousand_concurrent_calls_become_few_requests(server: str) -> None:
+    transport = Counting()
+    async with AsyncClient(server, transport=transport, max_in_flight=8, max_batch=256) as client:
         results = await asyncio.gather(*(client.run(f"print({i})") for i in range(5000)))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(5000)]
     assert len({r.id for r in results}) == 5000
@@ -59,11 +82,32 @@ async def test_five_thousand_concurrent_calls_become_few_requests(pool: SlotPool
 async def test_overloaded_calls_are_retried_with_the_same_id(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=1)  # 2 slots + 1 waiting; the rest are answered overloaded
     async with AsyncClient("http://codeenv", transport=transport, retries=30, backoff_s=0.05,
-                           max_backoff_s=0.3, seed=1) as client:
+                           max_backoff_s=0.3, seed=1, stream=False) as client:  # the ordered batch endpoint
         results = await asyncio.gather(*(client.run("import time; time.sleep(0.1); print('done')", id=f"r{i}")
                                          for i in range(8)))
     assert [r.stdout for r in results] == ["done\n"] * 8 and [r.id for r in results] == [f"r{i}" for i in range(8)]
     assert transport.requests > 1  # some had to come back
+
+
+async def test_a_fast_call_does_not_wait_for_its_slow_batch_sibling(server: str) -> None:
+    transport = Counting()
+    async with AsyncClient(server, transport=transport) as client:
+        slow = asyncio.ensure_future(client.run("import time; time.sleep(1.5); print('slow')"))
+        t0 = time.monotonic()
+        fast = await client.run("print('fast')")  # the same tick: the same streamed batch
+        assert fast.stdout == "fast\n" and time.monotonic() - t0 < 1.0
+        assert not slow.done() and (await slow).stdout == "slow\n"
+    assert transport.requests == 1
+
+
+async def test_the_stream_endpoint_speaks_ndjson(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server) as c:
+        r = await c.post("/v1/execute/stream", json={"requests": [
+            {"code": "import time; time.sleep(0.3); print(0)"}, {"code": "print(1)"}, {"bad": 1}]})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    assert [line["i"] for line in lines] == [2, 1, 0]  # the rejected item at once, then in the order calls end
+    assert lines[0]["result"]["status"] == "rejected" and lines[2]["result"]["stdout"] == "0\n"
 
 
 async def test_a_deadline_is_honoured(pool: SlotPool) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 #: The endpoints that take a JSON body (read, capped and parsed once, in Guard).
-JSON_POSTS = frozenset({"/v1/execute", "/v1/execute/batch", "/run_code"} | {
+JSON_POSTS = frozenset({"/v1/execute", "/v1/execute/batch", "/v1/execute/stream", "/run_code"} | {
     f"/{verb}{suffix}" for verb in ("run", "judge") for suffix in ("", "/batch", "/long-batch")})
 LAG_PROBE_S = 0.5
 DISCONNECT_POLL_S = 0.25
@@ -219,9 +219,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             return Response(result.encoded(), 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
         return Response(result.encoded(), media_type="application/json")
 
-    @app.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=_body_schema("BatchRequest"))
-    async def execute_batch(request: Request) -> Response:
-        """Run a batch; results come in request order. An invalid item is answered `rejected`."""
+    def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
+        """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
         body = request.scope[JSON_BODY]
         items = body.get("requests") if isinstance(body, dict) else None
         if not isinstance(items, list):
@@ -238,12 +237,60 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                 call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
                 slots.append(ExecResult(id=call_id, status=Status.rejected,
                                         message=json.dumps(validation_errors(exc))))
+        return valid, slots
+
+    @app.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=_body_schema("BatchRequest"))
+    async def execute_batch(request: Request) -> Response:
+        """Run a batch; results come in request order. An invalid item is answered `rejected`."""
+        valid, slots = parse_batch(request)
         ran = iter(await answer(request, valid)) if valid else iter(())
         results = [slot if slot is not None else next(ran) for slot in slots]
         payload = '{"results":[' + ",".join(r.encoded() for r in results) + "]}"
         if results and all(r.status == Status.overloaded for r in results):
             return Response(payload, 429, {"Retry-After": RETRY_AFTER_S}, media_type="application/json")
         return Response(payload, media_type="application/json")
+
+    @app.post("/v1/execute/stream", openapi_extra=_body_schema("BatchRequest"),
+              responses={200: {"description": 'one JSON line per call, {"i": index, "result": {...}}, in the '
+                                              "order calls end", "content": {"application/x-ndjson": {}}}})
+    async def execute_stream(request: Request) -> Response:
+        """Run a batch and stream each result as soon as its call ends (NDJSON, in the order calls
+        end, each line naming the call's index), so a fast call never waits for a slow sibling.
+        A client that hangs up cancels its calls that have not started."""
+        valid, slots = parse_batch(request)
+        gone = asyncio.Event()
+        indices = [i for i, slot in enumerate(slots) if slot is None]
+
+        async def one(i: int, call: ExecRequest) -> tuple[int, ExecResult]:
+            [result] = await calls.submit([call], gone)
+            return i, result
+
+        async def lines() -> AsyncIterator[str]:
+            started = time.monotonic()
+            statuses: dict[str, int] = {}
+            metrics.in_flight.inc(len(valid))
+            tasks = [asyncio.ensure_future(one(i, call)) for i, call in zip(indices, valid, strict=True)]
+            for task in tasks:
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            left = len(tasks)
+            try:
+                for i, slot in enumerate(slots):
+                    if slot is not None:
+                        yield f'{{"i":{i},"result":{slot.encoded()}}}\n'
+                for next_done in asyncio.as_completed(tasks):
+                    i, result = await next_done
+                    left -= 1
+                    metrics.in_flight.dec()
+                    metrics.observe([result])
+                    statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
+                    yield f'{{"i":{i},"result":{result.encoded()}}}\n'
+            finally:
+                gone.set()  # the client hung up (or all is sent): unstarted calls are cancelled
+                metrics.in_flight.dec(left)
+                logger.info("stream", extra={"event": "stream", "calls": len(slots), "statuses": statuses,
+                                             "ms": round(1000 * (time.monotonic() - started), 2)})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.get("/v1/results/{call_id:path}", response_model=ExecResult,
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})

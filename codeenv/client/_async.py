@@ -46,6 +46,8 @@ class AsyncClient:
     Batching: a call goes out at once while fewer than `max_in_flight` requests are outstanding;
     calls arriving while that many are out join the next batch, which leaves when a request
     returns or when its oldest call has waited `max_wait_s`; a batch holds at most `max_batch` calls.
+    Batches go to /v1/execute/stream, so each caller gets its result as soon as its own call ends
+    (`stream=False`: /v1/execute/batch, answered when the whole batch has ended).
 
     Retries: every call carries a client id (generated unless given). A call the service answered
     `overloaded` with `started: false` is sent again, with the same id, after a jittered
@@ -61,7 +63,7 @@ class AsyncClient:
                  backoff_s: float = 0.05, max_backoff_s: float = 2.0, default_wall_s: float = 10.0,
                  grace_s: float = 30.0, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None, headers: Mapping[str, str] | None = None,
-                 seed: int | None = None) -> None:
+                 stream: bool = True, seed: int | None = None) -> None:
         if max_in_flight < 1 or max_batch < 1 or max_wait_s < 0 or retries < 0:
             raise ValueError("max_in_flight and max_batch must be >= 1, max_wait_s and retries >= 0")
         all_headers = {"content-type": "application/json", **(headers or {})}
@@ -72,6 +74,7 @@ class AsyncClient:
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.default_wall_s, self.grace_s = default_wall_s, grace_s
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.stream = stream
         self._rng = random.Random(seed)
         self._pending: collections.deque[_Item] = collections.deque()
         self._in_flight = 0
@@ -199,10 +202,13 @@ class AsyncClient:
             if not sendable:
                 return
             timeout = httpx.Timeout(wait_budget + self.grace_s, connect=self.connect_timeout_s)
+            body = '{"requests":[' + ",".join(payload) + "]}"
             self.requests_sent += 1
+            if self.stream:
+                await self._send_streaming(sendable, body, timeout)
+                return
             try:
-                response = await self._http.post("/v1/execute/batch", timeout=timeout,
-                                                  content='{"requests":[' + ",".join(payload) + "]}")
+                response = await self._http.post("/v1/execute/batch", timeout=timeout, content=body)
             except httpx.TransportError as exc:
                 for item in sendable:
                     self._retry(item, exc)
@@ -220,6 +226,46 @@ class AsyncClient:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._flush)
 
+    async def _send_streaming(self, items: list[_Item], body: str, timeout: httpx.Timeout) -> None:
+        """POST /v1/execute/stream: each result resolves its caller as soon as its call ends."""
+        answered = [False] * len(items)
+        try:
+            async with self._http.stream("POST", "/v1/execute/stream", content=body, timeout=timeout) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    self._handle(items, response)
+                    return
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    try:
+                        message = json.loads(line)
+                        index = message["i"]
+                        result = ExecResult.model_validate(message["result"])
+                        if not 0 <= index < len(items) or answered[index]:
+                            raise ValueError(f"no call {index} awaits a result")
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise httpx.RemoteProtocolError(f"unreadable line from the service: {exc}") from exc
+                    answered[index] = True
+                    self._settle(items[index], result, None)
+        except httpx.TransportError as exc:
+            for item, done in zip(items, answered, strict=True):
+                if not done:
+                    self._retry(item, exc)
+            return
+        missing = [item for item, done in zip(items, answered, strict=True) if not done]
+        if missing:  # the stream ended early: the ids make a re-send attach to what may be running
+            cut = httpx.RemoteProtocolError(f"the stream ended with {len(missing)} calls unanswered")
+            for item in missing:
+                self._retry(item, cut)
+
+    def _settle(self, item: _Item, result: ExecResult, retry_after: float | None) -> None:
+        if result.status == Status.overloaded and not result.started:
+            item.last = result
+            self._retry(item, None, retry_after)
+        elif not item.future.done():
+            item.future.set_result(result)
+
     def _handle(self, items: list[_Item], response: httpx.Response) -> None:
         code = response.status_code
         retry_after = _retry_after(response)
@@ -233,11 +279,7 @@ class AsyncClient:
                     _fail(item, ServerError(f"unreadable answer from the service: {exc}", code))
                 return
             for item, result in zip(items, results, strict=True):
-                if result.status == Status.overloaded and not result.started:
-                    item.last = result
-                    self._retry(item, None, retry_after)
-                else:
-                    item.future.set_result(result)
+                self._settle(item, result, retry_after)
         elif 400 <= code < 500:
             detail = _detail(response)
             for item in items:
