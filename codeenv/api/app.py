@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+#: Where Guard leaves the time (monotonic) a request arrived: its calls' queue wait starts there.
+ACCEPTED = "codeenv.accepted"
 #: The endpoints that take a JSON body (read, capped and parsed once, in Guard).
 JSON_POSTS = frozenset({"/v1/execute", "/v1/execute/batch", "/v1/execute/stream", "/run_code"} | {
     f"/{verb}{suffix}" for verb in ("run", "judge") for suffix in ("", "/batch", "/long-batch")})
@@ -180,7 +182,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
     async def answer(request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         metrics.in_flight.inc(len(requests))
-        started = time.monotonic()
+        started = request.scope.get(ACCEPTED, time.monotonic())
         gone = asyncio.Event()
 
         async def watch_disconnect() -> None:
@@ -191,7 +193,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            results = await calls.submit(requests, gone)
+            results = await calls.submit(requests, gone, started)
         finally:
             watcher.cancel()
             metrics.in_flight.dec(len(requests))
@@ -260,13 +262,13 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         valid, slots = parse_batch(request)
         gone = asyncio.Event()
         indices = [i for i, slot in enumerate(slots) if slot is None]
+        started = request.scope.get(ACCEPTED, time.monotonic())
 
         async def one(i: int, call: ExecRequest) -> tuple[int, ExecResult]:
-            [result] = await calls.submit([call], gone)
+            [result] = await calls.submit([call], gone, started)
             return i, result
 
         async def lines() -> AsyncIterator[str]:
-            started = time.monotonic()
             statuses: dict[str, int] = {}
             metrics.in_flight.inc(len(valid))
             tasks = [asyncio.ensure_future(one(i, call)) for i, call in zip(indices, valid, strict=True)]
@@ -366,6 +368,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ACCEPTED] = time.monotonic()
         try:
             if self.expected is not None:
                 given = dict(scope["headers"]).get(b"authorization", b"")

@@ -8,7 +8,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,8 +119,9 @@ class AsyncClient:
                   ledger: Recorder | None = None) -> ExecResult:
         """Run one program; returns its structured result. `deadline_s`: it must start within this
         many seconds (counted from now, across retries) or it comes back `overloaded`, not run."""
-        request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=id, profile=profile,
-                              deadline_s=deadline_s, files=dict(files or {}), fetch_files=list(fetch_files or []))
+        request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=id or uuid.uuid4().hex,
+                              profile=profile, deadline_s=deadline_s, files=dict(files or {}),
+                              fetch_files=list(fetch_files or []))
         return await self.submit(request, ledger=ledger)
 
     async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult:
@@ -153,13 +154,18 @@ class AsyncClient:
             _fail(item, ClientClosed("the client was closed"))
             return
         self._pending.append(item)
-        if not self._flush_scheduled:
+        if len(self._pending) >= self.max_batch and self._in_flight < self.max_in_flight:
+            self._flush()  # a full batch leaves now, not at the end of the tick
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        self._flush()
 
     def _flush(self, force: bool = False) -> None:
         """Send what may go now: below the in-flight cap, or everything once the oldest waited."""
-        self._flush_scheduled = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -183,6 +189,19 @@ class AsyncClient:
             self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
 
     async def _send(self, batch: list[_Item]) -> None:
+        released = False
+
+        def release() -> None:
+            """This request stops counting against the in-flight cap (once): send what waits."""
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._in_flight -= 1
+            if self._pending and not self._closed and not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._scheduled_flush)
+
         try:
             now = time.monotonic()
             payload: list[str] = []
@@ -205,7 +224,7 @@ class AsyncClient:
             body = '{"requests":[' + ",".join(payload) + "]}"
             self.requests_sent += 1
             if self.stream:
-                await self._send_streaming(sendable, body, timeout)
+                await self._send_streaming(sendable, body, timeout, release)
                 return
             try:
                 response = await self._http.post("/v1/execute/batch", timeout=timeout, content=body)
@@ -221,12 +240,10 @@ class AsyncClient:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._in_flight -= 1
-            if self._pending and not self._closed and not self._flush_scheduled:
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush)
+            release()
 
-    async def _send_streaming(self, items: list[_Item], body: str, timeout: httpx.Timeout) -> None:
+    async def _send_streaming(self, items: list[_Item], body: str, timeout: httpx.Timeout,
+                              release: Callable[[], None]) -> None:
         """POST /v1/execute/stream: each result resolves its caller as soon as its call ends."""
         answered = [False] * len(items)
         try:
@@ -235,6 +252,9 @@ class AsyncClient:
                     await response.aread()
                     self._handle(items, response)
                     return
+                # The service has taken the calls: their wait is its queue's now, so the next batch
+                # may leave while this one's results stream back.
+                release()
                 async for line in response.aiter_lines():
                     if not line:
                         continue

@@ -15,9 +15,12 @@ class CallQueue(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
 
-    async def submit(self, requests: Sequence[ExecRequest],
-                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+    async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
+                     accepted_at: float | None = None) -> list[ExecResult]:
         """One result per request, in request order; never raises for a single bad call.
+
+        `accepted_at` (time.monotonic() when the gateway took the calls; default: now) is where
+        a call's queue wait, and its deadline, start.
 
         When `gone` is set (the caller disconnected), calls without an id that have not started are
         cancelled and never run; calls with an id go on, so a reconnecting caller can attach.

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,9 @@ class LocalQueueServer:
         gone: dict[int, asyncio.Event] = {}
         calls: set[asyncio.Task[None]] = set()
 
-        async def submit(n: int, requests: list[ExecRequest], event: asyncio.Event) -> None:
+        async def submit(n: int, requests: list[ExecRequest], event: asyncio.Event, accepted: float | None) -> None:
             try:
-                results = await self.queue.submit(requests, event)
+                results = await self.queue.submit(requests, event, accepted)
             except asyncio.CancelledError:
                 return  # cancelled by the gateway: nobody waits for an answer
             finally:
@@ -109,7 +110,7 @@ class LocalQueueServer:
                 if message["op"] == "submit":
                     event = gone[n] = asyncio.Event()
                     requests = [ExecRequest.model_validate(r) for r in message["requests"]]
-                    call = asyncio.create_task(submit(n, requests, event))
+                    call = asyncio.create_task(submit(n, requests, event, message.get("t")))
                     calls.add(call)
                     call.add_done_callback(calls.discard)
                 elif message["op"] == "cancel":
@@ -168,11 +169,12 @@ class LocalQueue:
         return self._stats or {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
                                "oldest_wait_s": 0, "workers": 0}
 
-    async def submit(self, requests: Sequence[ExecRequest],
-                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+    async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
+                     accepted_at: float | None = None) -> list[ExecResult]:
+        accepted = time.monotonic() if accepted_at is None else accepted_at
         try:
-            n, future = self._send('"op":"submit","requests":[' + ",".join(r.model_dump_json() for r in requests)
-                                   + "]")
+            n, future = self._send(f'"op":"submit","t":{accepted!r},"requests":['
+                                   + ",".join(r.model_dump_json() for r in requests) + "]")
         except ConnectionError as exc:
             return [ExecResult(id=r.id, status=Status.overloaded, started=False, message=f"{exc}; retry later")
                     for r in requests]

@@ -71,8 +71,9 @@ class EmbeddedQueue:
     def ready(self) -> bool:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
 
-    async def submit(self, requests: Sequence[ExecRequest],
-                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+    async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
+                     accepted_at: float | None = None) -> list[ExecResult]:
+        accepted = time.monotonic() if accepted_at is None else accepted_at
         self._forget_expired()
         room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
         work: list[Awaitable[ExecResult]] = []
@@ -91,7 +92,7 @@ class EmbeddedQueue:
                     future.add_done_callback(lambda f: f.cancelled() or f.exception())
                     self._running[request.id] = (fingerprint(request), future)
                 dispatched: list[bool] = []
-                work.append(self._tracked(request, future, dispatched))
+                work.append(self._tracked(request, future, dispatched, accepted))
                 if request.id is None:
                     cancellable.append((len(work) - 1, dispatched))
             else:
@@ -131,16 +132,16 @@ class EmbeddedQueue:
                           message=f"more than {self.max_queued} calls are waiting; retry later")
 
     async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None,
-                       dispatched: list[bool]) -> ExecResult:
+                       dispatched: list[bool], accepted: float) -> ExecResult:
         token = object()
-        self._waiting_since[token] = time.monotonic()
+        self._waiting_since[token] = accepted
 
         def on_dispatch() -> None:
             dispatched.append(True)
             self._waiting_since.pop(token, None)
 
         try:
-            result = await self._one(request, on_dispatch)
+            result = await self._one(request, on_dispatch, accepted)
             if request.id is not None and future is not None:
                 fingerprint, _ = self._running.pop(request.id)
                 future.set_result(result)
@@ -190,9 +191,9 @@ class EmbeddedQueue:
             del self._done[call_id]
             self._done_bytes -= size
 
-    async def _one(self, request: ExecRequest, on_dispatch: Callable[[], None]) -> ExecResult:
+    async def _one(self, request: ExecRequest, on_dispatch: Callable[[], None], accepted: float) -> ExecResult:
         try:
-            return await self.pool.run(request, on_dispatch=on_dispatch)
+            return await self.pool.run(request, on_dispatch=on_dispatch, accepted_at=accepted)
         except InvalidRequest as exc:
             return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
         except PoolClosed as exc:

@@ -303,8 +303,8 @@ class RedisQueue:
 
     # --- calls ----------------------------------------------------------------------------------
 
-    async def submit(self, requests: Sequence[ExecRequest],
-                     gone: asyncio.Event | None = None) -> list[ExecResult]:
+    async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
+                     accepted_at: float | None = None) -> list[ExecResult]:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ExecResult]] = []
         mine: list[_Call] = []

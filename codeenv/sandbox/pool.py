@@ -258,11 +258,14 @@ class SlotPool:
 
     async def run(self, request: ExecRequest, *, slot_index: int | None = None,
                   on_dispatch: Callable[[], None] | None = None,
-                  before_start: Callable[[], Awaitable[ExecResult | None]] | None = None) -> ExecResult:
+                  before_start: Callable[[], Awaitable[ExecResult | None]] | None = None,
+                  accepted_at: float | None = None) -> ExecResult:
         """Run one program. Bad requests raise InvalidRequest; everything else is a result.
 
         `slot_index` pins the call to one slot (for tests and diagnostics). `on_dispatch` is called
-        when the call gets its slot: until then, cancelling it provably runs nothing. `before_start`
+        when the call gets its slot: until then, cancelling it provably runs nothing. `accepted_at`
+        (time.monotonic() when the call was accepted upstream) is where its queue wait and deadline
+        start. `before_start`
         is awaited next, with the slot held: it may veto the call by returning the result to answer
         instead (a distributed worker marks the job started there, or learns that it must not run).
         """
@@ -271,7 +274,8 @@ class SlotPool:
         code, stdin, limits, profile = self.resolve(request)
         files = request.decoded_files(self.settings) if request.files else None
         fetch = list(dict.fromkeys(request.fetch_files)) or None
-        queued = time.monotonic()
+        # The queue wait (and the deadline) count from when the call was accepted upstream.
+        queued = time.monotonic() if accepted_at is None else accepted_at
         for attempt in range(1, MAX_DISPATCH + 1):
             if request.deadline_s is None:
                 slot = await self._free.acquire(slot_index)
