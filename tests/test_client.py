@@ -105,7 +105,8 @@ async def test_the_stream_endpoint_speaks_ndjson(server: str) -> None:
         r = await c.post("/v1/execute/stream", json={"requests": [
             {"code": "import time; time.sleep(0.3); print(0)"}, {"code": "print(1)"}, {"bad": 1}]})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
-    lines = [json.loads(line) for line in r.text.splitlines()]
+    accepted, *lines = [json.loads(line) for line in r.text.splitlines()]
+    assert accepted == {"accepted": 3}
     assert [line["i"] for line in lines] == [2, 1, 0]  # the rejected item at once, then in the order calls end
     assert lines[0]["result"]["status"] == "rejected" and lines[2]["result"]["stdout"] == "0\n"
 

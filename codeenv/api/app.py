@@ -253,12 +253,14 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         return Response(payload, media_type="application/json")
 
     @app.post("/v1/execute/stream", openapi_extra=_body_schema("BatchRequest"),
-              responses={200: {"description": 'one JSON line per call, {"i": index, "result": {...}}, in the '
-                                              "order calls end", "content": {"application/x-ndjson": {}}}})
+              responses={200: {"description": '{"accepted": n}, then one JSON line per call, {"i": index, '
+                                              '"result": {...}}, in the order calls end',
+                               "content": {"application/x-ndjson": {}}}})
     async def execute_stream(request: Request) -> Response:
-        """Run a batch and stream each result as soon as its call ends (NDJSON, in the order calls
-        end, each line naming the call's index), so a fast call never waits for a slow sibling.
-        A client that hangs up cancels its calls that have not started."""
+        """Run a batch and stream each result as soon as its call ends (NDJSON): first
+        `{"accepted": n}` once the calls are taken, then `{"i": index, "result": {...}}` per call in
+        the order calls end, so a fast call never waits for a slow sibling. A client that hangs up
+        cancels its calls that have not started."""
         valid, slots = parse_batch(request)
         gone = asyncio.Event()
         indices = [i for i, slot in enumerate(slots) if slot is None]
@@ -276,6 +278,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
             left = len(tasks)
             try:
+                # At once: the client learns its calls are taken (headers alone may wait for a body).
+                yield f'{{"accepted":{len(slots)}}}\n'
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         yield f'{{"i":{i},"result":{slot.encoded()}}}\n'

@@ -260,6 +260,8 @@ class AsyncClient:
                         continue
                     try:
                         message = json.loads(line)
+                        if "i" not in message:
+                            continue  # {"accepted": n}: the service took the batch (released above)
                         index = message["i"]
                         result = ExecResult.model_validate(message["result"])
                         if not 0 <= index < len(items) or answered[index]:
