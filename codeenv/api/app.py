@@ -266,25 +266,22 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
         indices = [i for i, slot in enumerate(slots) if slot is None]
         started = request.scope.get(ACCEPTED, time.monotonic())
 
-        async def one(i: int, call: ExecRequest) -> tuple[int, ExecResult]:
-            [result] = await calls.submit([call], gone, started)
-            return i, result
-
         async def lines() -> AsyncIterator[str]:
             statuses: dict[str, int] = {}
+            ended: asyncio.Queue[tuple[int, ExecResult]] = asyncio.Queue()
             metrics.in_flight.inc(len(valid))
-            tasks = [asyncio.ensure_future(one(i, call)) for i, call in zip(indices, valid, strict=True)]
-            for task in tasks:
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            left = len(tasks)
+            left = len(valid)
+            submitted = asyncio.ensure_future(calls.submit(
+                valid, gone, started, lambda i, result: ended.put_nowait((indices[i], result))))
+            submitted.add_done_callback(lambda t: t.cancelled() or t.exception())
             try:
                 # At once: the client learns its calls are taken (headers alone may wait for a body).
                 yield f'{{"accepted":{len(slots)}}}\n'
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         yield f'{{"i":{i},"result":{slot.encoded()}}}\n'
-                for next_done in asyncio.as_completed(tasks):
-                    i, result = await next_done
+                while left:
+                    i, result = await ended.get()
                     left -= 1
                     metrics.in_flight.dec()
                     metrics.observe([result])

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from codeenv.models import ExecRequest, ExecResult
+
+#: Called with (index in the submitted batch, result) as each call ends.
+OnResult = Callable[[int, ExecResult], None]
+
+
+def notify_each(futures: Sequence[asyncio.Future[ExecResult]], on_result: OnResult | None) -> None:
+    """Call `on_result` as each future ends with a result."""
+    if on_result is None:
+        return
+    callback = on_result
+
+    def ended(index: int, future: asyncio.Future[ExecResult]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            callback(index, future.result())
+
+    for index, future in enumerate(futures):
+        future.add_done_callback(functools.partial(ended, index))
 
 
 class CallQueue(Protocol):
@@ -16,11 +34,12 @@ class CallQueue(Protocol):
     async def close(self) -> None: ...
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
-                     accepted_at: float | None = None) -> list[ExecResult]:
+                     accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
         """One result per request, in request order; never raises for a single bad call.
 
         `accepted_at` (time.monotonic() when the gateway took the calls; default: now) is where
-        a call's queue wait, and its deadline, start.
+        a call's queue wait, and its deadline, start. `on_result(index, result)` is called as each
+        call ends, in the order they end (the streaming endpoint's feed).
 
         When `gone` is set (the caller disconnected), calls without an id that have not started are
         cancelled and never run; calls with an id go on, so a reconnecting caller can attach.

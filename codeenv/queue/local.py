@@ -32,6 +32,7 @@ from typing import Any
 
 from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.base import OnResult
 from codeenv.queue.memory import EmbeddedQueue
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,15 @@ class LocalQueue:
                                "oldest_wait_s": 0, "workers": 0}
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
-                     accepted_at: float | None = None) -> list[ExecResult]:
+                     accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
+        results = await self._submit(requests, gone, accepted_at)
+        if on_result is not None:  # the pool process answers a batch whole
+            for index, result in enumerate(results):
+                on_result(index, result)
+        return results
+
+    async def _submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None,
+                      accepted_at: float | None) -> list[ExecResult]:
         accepted = time.monotonic() if accepted_at is None else accepted_at
         try:
             n, future = self._send(f'"op":"submit","t":{accepted!r},"requests":['

@@ -20,6 +20,7 @@ from typing import Any
 
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.base import OnResult, notify_each
 from codeenv.sandbox.pool import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class EmbeddedQueue:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
-                     accepted_at: float | None = None) -> list[ExecResult]:
+                     accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
         accepted = time.monotonic() if accepted_at is None else accepted_at
         self._forget_expired()
         room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
@@ -103,6 +104,7 @@ class EmbeddedQueue:
         for task in tasks:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        notify_each(tasks, on_result)
         batch: asyncio.Future[list[ExecResult]] = asyncio.gather(*tasks)
         if gone is None or not cancellable:
             return list(await asyncio.shield(batch))

@@ -42,6 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from codeenv.errors import InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue.base import OnResult, notify_each
 from codeenv.queue.memory import fingerprint
 from codeenv.settings import GatewaySettings, QueueSettings
 
@@ -304,7 +305,7 @@ class RedisQueue:
     # --- calls ----------------------------------------------------------------------------------
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
-                     accepted_at: float | None = None) -> list[ExecResult]:
+                     accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ExecResult]] = []
         mine: list[_Call] = []
@@ -325,6 +326,7 @@ class RedisQueue:
             if not self._pending:
                 loop.call_soon(self._spawn, self._flush())
             self._pending.append(call)
+        notify_each(futures, on_result)
         batch = asyncio.gather(*futures)
         if gone is None:
             return list(await asyncio.shield(batch))
