@@ -5,9 +5,9 @@ from __future__ import annotations
 import base64
 import binascii
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
 
@@ -91,26 +91,38 @@ class Limits(BaseModel):
         return LimitValues(**values)
 
 
+def _valid_text(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text (no lone surrogates): {exc}") from None
+    return value
+
+
+#: A string that can be encoded (JSON may carry lone surrogates like "\ud800"; nothing can send them on).
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
 class ExecRequest(BaseModel):
     """One program to run."""
 
     model_config = ConfigDict(extra="forbid")
 
-    code: str
-    stdin: str = ""
+    code: Text
+    stdin: Text = ""
     limits: Limits = Field(default_factory=Limits)
-    id: str | None = Field(None, max_length=128, description="the caller's call id")
-    profile: str | None = Field(
+    id: Text | None = Field(None, max_length=128, description="the caller's call id")
+    profile: Text | None = Field(
         None, description="zygote profile to run in (default: the lightest that covers the imports)"
     )
     deadline_s: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="must start within this many seconds, or it is answered overloaded and never run",
     )
-    files: dict[str, str] = Field(
+    files: dict[Text, str] = Field(
         default_factory=dict, description="files to write into the work dir first: relative path -> base64 content"
     )
-    fetch_files: list[str] = Field(
+    fetch_files: list[Text] = Field(
         default_factory=list, description="files to read back from the work dir after the run (relative paths)"
     )
 

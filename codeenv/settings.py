@@ -123,7 +123,7 @@ class QueueSettings(SandboxSettings):
         description="a worker silent this long is dead: its unstarted jobs go to others, its started ones are "
                     "answered",
     )
-    results_ttl_s: float = Field(600, gt=0, description="how long a call with a client id is remembered")
+    results_ttl_s: float = Field(600, ge=1, description="how long a call with a client id is remembered")
     shutdown_grace_s: float = Field(30, ge=0, description="time running calls get to finish on shutdown")
 
     @model_validator(mode="after")

@@ -93,6 +93,8 @@ async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.Async
     (b'{"code": "1", "limits": {"memory_mb": 100000000}}', 422, "cannot exceed the configured limit"),
     (b'{"code": "print(\\"\\ud800\\")"}', 422, "surrogates"),
     (b"\xff\xfe", 400, "not valid JSON"),
+    (b'{"code": "1", "profile": "\\ud800"}', 422, "surrogates"),
+    (b'{"code": "1", "id": "a\\udc00"}', 422, "surrogates"),
 ])
 async def test_bad_input_gets_a_clear_4xx(client: httpx.AsyncClient, body: bytes, status: int,
                                           fragment: str) -> None:
@@ -206,6 +208,9 @@ async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncCli
     assert later.json()["stdout"] == first.json()["stdout"]
     by_id = await client.get("/v1/results/retry-me")
     assert by_id.status_code == 200 and by_id.json()["stdout"] == first.json()["stdout"]
+    # A client re-sending after a lost connection sends what is left of its deadline: the same call.
+    resent = await client.post("/v1/execute", json={"code": code, "id": "retry-me", "deadline_s": 3.5})
+    assert resent.json()["stdout"] == first.json()["stdout"]
     other = await client.post("/v1/execute", json={"code": "print(2)", "id": "retry-me"})
     assert other.status_code == 422 and "different call" in other.json()["detail"]
     assert (await client.get("/v1/results/never-sent")).status_code == 404
@@ -218,6 +223,10 @@ async def test_more_bad_input(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/execute/batch", content=('{"requests": [' + huge + ', {"code": "print(1)"}]}').encode(),
                           headers={"content-type": "application/json"})
     assert r.status_code == 200 and [x["status"] for x in r.json()["results"]] == ["rejected", "ok"]
+    r = await client.post("/v1/execute/batch", content=b'{"requests": [{"code": "print(1)", "id": "\\ud800"}, '
+                          b'{"code": "print(2)", "profile": "\\ud800"}, {"code": "print(3)"}]}',
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 200 and [x["status"] for x in r.json()["results"]] == ["rejected", "rejected", "ok"]
     r = await client.post("/nowhere", content=b"{bad", headers={"content-type": "application/json"})
     assert r.status_code == 404
     r = await client.post("/v1/execute", json={"code": "print(5)", "id": "a/b"})

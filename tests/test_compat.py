@@ -176,6 +176,11 @@ async def test_code_judge_judge_and_single_endpoints(server: str) -> None:
         assert cpp["reason"] == "invalid_input" and not cpp["run_success"] and "only 'python'" in cpp["stderr"]
         assert (await c.post("/run/batch", json={"type": "batch", "submissions": []})).status_code == 422
         assert (await c.post("/run", json={"type": "cobol", "solution": "x"})).status_code == 422
+        bad = b'{"type": "python", "solution": "print(1)", "sub_id": "\\ud800"}'
+        assert (await c.post("/run", content=bad, headers={"content-type": "application/json"})).status_code == 422
+        bad = b'{"type": "python", "solution": "print(\\"\\ud800\\")"}'
+        r = (await c.post("/run", content=bad, headers={"content-type": "application/json"})).json()
+        assert r["reason"] == "invalid_input" and "surrogates" in r["stderr"]
         assert (await c.get("/ping")).json() == "pong"
         status = (await c.get("/status")).json()
         assert set(status) == {"queue", "num_workers"} and status["num_workers"] >= 1

@@ -185,6 +185,32 @@ async def test_the_dead_workers_pending_jobs_are_reclaimed(
         await r.aclose()
 
 
+async def test_a_call_claimed_past_its_deadline_is_answered_not_run(
+        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+    """The claim marks a job started; one whose deadline has passed must still get its answer."""
+    keys = Keys(prefix)
+    r = aioredis.Redis(port=redis_server.port, decode_responses=True)
+    reply = f"{prefix}:reply:test"
+    try:
+        await r.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+        request = ExecRequest(code="print('must not run')", id="late", deadline_s=0.5)
+        payload = json.loads(encode_job("late-job", reply, "late", request.model_dump_json()))
+        payload["t"] -= 10  # queued ten seconds ago (a gateway whose cancel never arrived)
+        await r.xadd(keys.jobs, {"k": "late-job", "job": json.dumps(payload)})
+        worker = StreamWorker(settings_for(redis_server, prefix), pool=pool)
+        await worker.start()
+        try:
+            got: Any = await r.blmpop(10, 1, reply, direction="RIGHT", count=1)
+        finally:
+            await worker.stop()
+        assert got is not None
+        result = ExecResult.model_validate_json(got[1][0].partition("\n")[2])
+        assert result.status == "overloaded" and not result.started and "deadline" in (result.message or "")
+        assert await r.xlen(keys.jobs) == 0
+    finally:
+        await r.aclose()
+
+
 async def test_a_long_call_is_not_stolen_from_a_live_worker(
         redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -237,6 +237,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                 slots.append(None)
             except ValidationError as exc:
                 call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+                if call_id is not None and not _encodable(call_id):
+                    call_id = None
                 slots.append(ExecResult(id=call_id, status=Status.rejected,
                                         message=json.dumps(validation_errors(exc))))
         return valid, slots
@@ -273,7 +275,19 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
             left = len(valid)
             submitted = asyncio.ensure_future(calls.submit(
                 valid, gone, started, lambda i, result: ended.put_nowait((indices[i], result))))
-            submitted.add_done_callback(lambda t: t.cancelled() or t.exception())
+            answered: set[int] = set()
+
+            def failed(task: asyncio.Future[list[ExecResult]]) -> None:
+                # submit never raises for one bad call; if it fails as a whole, answer what is left.
+                exc = None if task.cancelled() else task.exception()
+                if exc is not None:
+                    logger.error("a streamed batch failed: %r", exc)
+                    for i in indices:
+                        if i not in answered:
+                            ended.put_nowait((i, ExecResult(status=Status.internal_error, started=True,
+                                                            message=f"the service failed on this call: {exc!r}")))
+
+            submitted.add_done_callback(failed)
             try:
                 # At once: the client learns its calls are taken (headers alone may wait for a body).
                 yield f'{{"accepted":{len(slots)}}}\n'
@@ -282,6 +296,9 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
                         yield f'{{"i":{i},"result":{slot.encoded()}}}\n'
                 while left:
                     i, result = await ended.get()
+                    if i in answered:
+                        continue
+                    answered.add(i)
                     left -= 1
                     metrics.in_flight.dec()
                     metrics.observe([result])
@@ -345,6 +362,14 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     app.state.metrics = metrics
     app.state.queue = calls
     return app
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _body_schema(model: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from codeenv.models import ExecRequest, ExecResult, Status, code_judge_reason
+from codeenv.models import ExecRequest, ExecResult, Status, Text, code_judge_reason
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
 
@@ -38,7 +38,7 @@ class Submission(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    sub_id: str | None = None
+    sub_id: Text | None = None
     type: Literal["python", "cpp", "math"]
     solution: str
     input: str | None = None
@@ -49,7 +49,7 @@ class Submission(BaseModel):
 class BatchSubmission(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    sub_id: str | None = None
+    sub_id: Text | None = None
     type: Literal["batch"] = "batch"
     submissions: list[Submission] = Field(min_length=1)
 
@@ -80,9 +80,12 @@ def _judge_request(sub: Submission, settings: GatewaySettings) -> ExecRequest | 
     if sub.type != "python":
         return f"type {sub.type!r} is not supported by this server: only 'python' runs here"
     wall = settings.code_judge_wall_s or settings.defaults.wall_s
-    return ExecRequest(code=sub.solution, stdin=sub.input or "", deadline_s=settings.code_judge_queue_wait_s,
-                       limits={"wall_s": min(wall, settings.caps.wall_s),
-                               "output_bytes": settings.code_judge_output_bytes})
+    try:
+        return ExecRequest(code=sub.solution, stdin=sub.input or "", deadline_s=settings.code_judge_queue_wait_s,
+                           limits={"wall_s": min(wall, settings.caps.wall_s),
+                                   "output_bytes": settings.code_judge_output_bytes})
+    except ValidationError as exc:
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in validation_errors(exc))
 
 
 def add_code_judge(app: FastAPI, settings: GatewaySettings, calls: CallQueue, answer: Answer) -> None:
@@ -230,10 +233,12 @@ def add_sandbox_fusion(app: FastAPI, settings: GatewaySettings, answer: Answer) 
             return JSONResponse({"status": "SandboxError", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "
                                             "only python runs here", "executor_pod_name": None, "files": {}})
-        call, notes = _fusion_request(body, settings)
         try:
+            call, notes = _fusion_request(body, settings)
             call.check(settings)
             call.decoded_files(settings)
+        except ValidationError as exc:
+            return JSONResponse({"detail": validation_errors(exc)}, 422)
         except ValueError as exc:
             return JSONResponse({"detail": str(exc)}, 422)
         [result] = await answer(request, [call])

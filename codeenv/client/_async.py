@@ -80,8 +80,8 @@ class AsyncClient:
         self._in_flight = 0
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self._sends: set[asyncio.Task[None]] = set()
-        self._retrying: set[asyncio.TimerHandle] = set()
+        self._sends: dict[asyncio.Task[None], list[_Item]] = {}
+        self._retrying: dict[asyncio.TimerHandle, _Item] = {}
         self._closed = False
         #: HTTP requests made so far (a batch counts once).
         self.requests_sent = 0
@@ -101,14 +101,21 @@ class AsyncClient:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        for handle in self._retrying:
+        closed = ClientClosed("the client was closed before the call finished")
+        for handle, item in self._retrying.items():
             handle.cancel()
+            _fail(item, closed)
+        self._retrying.clear()
         for item in self._pending:
-            _fail(item, ClientClosed("the client was closed before the call was sent"))
+            _fail(item, closed)
         self._pending.clear()
-        for task in list(self._sends):
+        sends = dict(self._sends)
+        for task in sends:
             task.cancel()
-        await asyncio.gather(*self._sends, return_exceptions=True)
+        await asyncio.gather(*sends, return_exceptions=True)
+        for batch in sends.values():  # a send cancelled before it began never saw its batch
+            for item in batch:
+                _fail(item, closed)
         await self._http.aclose()
 
     # --- calls ----------------------------------------------------------------------------------
@@ -182,8 +189,8 @@ class AsyncClient:
             if batch:
                 self._in_flight += 1
                 task = asyncio.ensure_future(self._send(batch))
-                self._sends.add(task)
-                task.add_done_callback(self._sends.discard)
+                self._sends[task] = batch
+                task.add_done_callback(lambda t: self._sends.pop(t, None))
         if self._pending:
             wait = max(0.0, self._pending[0].created + self.max_wait_s - now)
             self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
@@ -210,7 +217,7 @@ class AsyncClient:
             for item in batch:
                 remaining = None if item.deadline is None else item.deadline - now
                 if remaining is not None and remaining <= 0:
-                    item.future.set_result(item.last or _not_started(item, "its deadline passed before it was sent"))
+                    _resolve(item, item.last or _not_started(item, "its deadline passed before it was sent"))
                     continue
                 request = item.request if remaining is None else item.request.model_copy(
                     update={"deadline_s": remaining})
@@ -235,8 +242,11 @@ class AsyncClient:
             self._handle(sendable, response)
         except BaseException as exc:
             for item in batch:
-                _fail(item, exc if isinstance(exc, asyncio.CancelledError | ClientClosed)
-                      else ServerError(f"the client failed on this batch: {exc!r}"))
+                if isinstance(exc, asyncio.CancelledError) and self._closed:
+                    _fail(item, ClientClosed("the client was closed before the call finished"))
+                else:
+                    _fail(item, exc if isinstance(exc, asyncio.CancelledError)
+                          else ServerError(f"the client failed on this batch: {exc!r}"))
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -285,8 +295,8 @@ class AsyncClient:
         if result.status == Status.overloaded and not result.started:
             item.last = result
             self._retry(item, None, retry_after)
-        elif not item.future.done():
-            item.future.set_result(result)
+        else:
+            _resolve(item, result)
 
     def _handle(self, items: list[_Item], response: httpx.Response) -> None:
         code = response.status_code
@@ -315,7 +325,7 @@ class AsyncClient:
         item.attempts += 1
         if item.attempts > self.retries or self._closed:
             if item.last is not None and cause is None:
-                item.future.set_result(item.last)
+                _resolve(item, item.last)
             elif isinstance(cause, ServerError):
                 _fail(item, cause)
             else:
@@ -326,7 +336,7 @@ class AsyncClient:
             delay = max(delay, min(retry_after, self.max_backoff_s * 4))
         if item.deadline is not None and time.monotonic() + delay >= item.deadline:
             if item.last is not None or cause is None:
-                item.future.set_result(item.last or _not_started(item, "its deadline passed while retrying"))
+                _resolve(item, item.last or _not_started(item, "its deadline passed while retrying"))
             else:
                 _fail(item, _transport_error(cause, item.attempts))
             return
@@ -334,11 +344,17 @@ class AsyncClient:
         handle: asyncio.TimerHandle | None = None
 
         def again() -> None:
-            self._retrying.discard(handle)
+            if handle is not None:
+                self._retrying.pop(handle, None)
             self._enqueue(item)
 
         handle = loop.call_later(delay, again)
-        self._retrying.add(handle)
+        self._retrying[handle] = item
+
+
+def _resolve(item: _Item, result: ExecResult) -> None:
+    if not item.future.done():  # its caller may have given up (cancelled) meanwhile
+        item.future.set_result(result)
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

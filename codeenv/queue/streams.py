@@ -188,7 +188,8 @@ return 1
 
 
 def connect(settings: QueueSettings) -> Redis:
-    """A client for the queue's Redis (redis-py retries a dropped connection a few times itself)."""
+    """A client for the queue's Redis. No automatic retries: SUBMIT, CANCEL and CLAIM must not be
+    repeated blindly; the callers decide (a job key makes a repeated write harmless)."""
     assert settings.redis_url is not None
     return Redis.from_url(settings.redis_url, decode_responses=True, protocol=2,
                           socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30)
@@ -287,8 +288,13 @@ class RedisQueue:
         for task in self._loops + list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
-        for call in list(self._waiting.values()):
+        for call in list(self._waiting.values()) + self._pending:
             call.answer(self._lost(call.request, "the gateway stopped before the call's result came back"))
+        for call_id, futures in self._attached.items():
+            for future in futures:
+                if not future.done():
+                    future.set_result(ExecResult(id=call_id, status=Status.internal_error, started=True,
+                                                 message="the gateway stopped before the call's result came back"))
         try:
             await self._r.delete(self.reply)
         except RedisError:
@@ -366,20 +372,29 @@ class RedisQueue:
         """Write every call submitted this tick, in one script run per SUBMIT_CHUNK calls."""
         batch, self._pending = self._pending, []
         for start in range(0, len(batch), SUBMIT_CHUNK):
-            chunk = batch[start:start + SUBMIT_CHUNK]
             args: list[str | int] = [self.settings.max_queued, int(self.settings.results_ttl_s), self.keys.prefix]
-            for call in chunk:
+            chunk: list[_Call] = []
+            for call in batch[start:start + SUBMIT_CHUNK]:
+                try:
+                    payload = encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json())
+                except ValueError as exc:  # e.g. text that cannot be encoded: this call alone is refused
+                    call.answer(ExecResult(id=None, status=Status.rejected, message=f"cannot be queued: {exc}"))
+                    continue
                 # Registered before the write: a fast worker's result may be read before the
                 # script's own reply.
                 self._waiting[call.key] = call
-                args += [call.key, call.request.id or "", call.fingerprint,
-                         encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json())]
+                args += [call.key, call.request.id or "", call.fingerprint, payload]
+                chunk.append(call)
+            if not chunk:
+                continue
             try:
                 outcome = await self._submit(keys=[self.keys.jobs], args=args)
-            except RedisError as exc:
+            except Exception as exc:
+                if not isinstance(exc, RedisError):
+                    logger.exception("queue write failed")
                 for call in chunk:
                     self._waiting.pop(call.key, None)
-                    if _never_sent(exc):
+                    if isinstance(exc, RedisError) and _never_sent(exc):
                         call.answer(ExecResult(id=call.request.id, status=Status.overloaded, started=False,
                                                message=f"the queue is unreachable ({exc}); retry later"))
                     else:  # the write may have happened: the call may run, so it says started
@@ -430,7 +445,11 @@ class RedisQueue:
                 continue
             for call_id, result, call in zip(ids, results, calls, strict=True):
                 if result is not None:
-                    answer = ExecResult.from_json(result)
+                    try:
+                        answer = ExecResult.from_json(result)
+                    except ValueError:
+                        answer = ExecResult(id=call_id, status=Status.internal_error, started=True,
+                                            message="the call's stored result could not be read")
                 elif call is None:
                     answer = ExecResult(id=call_id, status=Status.overloaded, started=False,
                                         message="the call this id names was cancelled before it started; "
@@ -457,7 +476,8 @@ class RedisQueue:
         try:
             cancelled = await self._cancel(keys=[self.keys.jobs], args=args)
         except RedisError as exc:
-            logger.warning("could not cancel %d calls: %s", len(calls), exc)
+            logger.warning("could not cancel %d calls (%s); trying again", len(calls), exc)
+            asyncio.get_running_loop().call_later(0.5, self._cancel_soon, calls)
             return
         for call, done in zip(calls, cancelled, strict=True):
             if done:
@@ -475,7 +495,14 @@ class RedisQueue:
             try:
                 got: Any = await self._reader.blmpop(1, 1, self.reply, direction="RIGHT", count=1000)
             except RedisError as exc:
-                await self._reconnect(exc)
+                try:
+                    await self._reconnect(exc)
+                except Exception:
+                    logger.exception("reconnecting to Redis failed; trying again")
+                continue
+            except Exception:
+                logger.exception("reading results failed; trying again")
+                await asyncio.sleep(0.1)
                 continue
             if got is None:
                 continue
@@ -509,9 +536,16 @@ class RedisQueue:
         self._run_id = run_id
         logger.warning("Redis reachable again%s", " (it restarted)" if restarted else "",
                        extra={"event": "redis_up", "restarted": restarted})
-        if restarted:
-            await self._answer_lost_calls()
-        self._down = None
+        try:
+            if restarted:
+                for attempt in range(20):
+                    try:
+                        await self._answer_lost_calls()
+                        break
+                    except RedisError:
+                        await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        finally:
+            self._down = None
 
     async def _answer_lost_calls(self) -> None:
         """After a restart, calls whose job and marker are both gone will never be answered."""

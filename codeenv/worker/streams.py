@@ -134,8 +134,14 @@ class StreamWorker:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         claim = self._loops[0] if self._loops else None
         if claim is not None:
-            claim.cancel()
-            await asyncio.gather(claim, return_exceptions=True)
+            # Not cancelled mid-claim (a claim script that ran but whose jobs were never taken
+            # would leave them marked as ours): the loop sees _stopping between claims.
+            self._room.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(claim), CLAIM_BLOCK_MS / 1000 + 5)
+            except (TimeoutError, Exception):
+                claim.cancel()
+                await asyncio.gather(claim, return_exceptions=True)
         await self._hand_back([j for j in self._held.values() if j.in_pool and not j.dispatched])
         running: list[asyncio.Future[Any]] = [j.task for j in self._held.values() if j.task is not None]
         if running and grace > 0 and not self._force.is_set():
@@ -187,7 +193,7 @@ class StreamWorker:
 
     async def _claim_loop(self) -> None:
         delay = 0.1
-        while True:
+        while not self._stopping:
             room = self.capacity - self._active
             if room <= 0:
                 self._room.clear()
@@ -309,7 +315,7 @@ class StreamWorker:
         if request.deadline_s is not None:
             remaining = request.deadline_s - waited
             if remaining <= 0:
-                if not await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
+                if not await self._may_answer_unrun(job, started_key):
                     return _NOT_OURS
                 return ExecResult(id=request.id, status=Status.overloaded, started=False,
                                   message=f"the call waited {waited:.3g}s in the queue, past its deadline of "
@@ -320,6 +326,7 @@ class StreamWorker:
             job.dispatched = True
 
         async def mark() -> ExecResult | None:
+            # Called again if a zygote died before the call started (it then runs on another slot).
             if job.marked:
                 pass
             elif not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
@@ -327,6 +334,7 @@ class StreamWorker:
                 if owner != self.name or job.key in self._ran:
                     return _NOT_OURS
                 # Our own mark, whose reply was lost: the call never ran.
+            job.marked = True
             self._ran.add(job.key)
             logger.debug("start", extra={"event": "start", "job": job.key, "id": job.call_id})
             return None
@@ -343,6 +351,16 @@ class StreamWorker:
         if result is not _NOT_OURS:
             result.queue_s = round(result.queue_s + waited, 6)
         return result
+
+    async def _may_answer_unrun(self, job: _Job, started_key: str) -> bool:
+        """Whether this worker may answer a job it never ran as not run: the job's marker is ours
+        (set by the claim, the call never started) or we just set it to "cancelled"."""
+        if job.marked and job.key not in self._ran:
+            return True
+        if await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
+            return True
+        owner = await self._r.get(started_key)
+        return bool(owner == self.name and job.key not in self._ran)
 
     async def _publish(self, job: _Job, result: ExecResult) -> None:
         """Write the result, ack and delete the entry, atomically (one script); retried while Redis is away."""
@@ -371,6 +389,9 @@ class StreamWorker:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.alive(self.name), stats, px=int(self.settings.worker_dead_after_s * 1000))
             pipe.hset(self.keys.workers, self.name, stats)
+            for job in list(self._held.values()):
+                if job.marked:  # it must outlive the job however long it is held
+                    pipe.expire(self.keys.started(job.key), self.marker_ttl_s, xx=True)
             await pipe.execute()
 
     async def _heartbeat_loop(self) -> None:
