@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, SandboxSettings, SlotPool
+from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings, SlotPool
 from codeenv.errors import ImageError, PoolClosed
 from tests.conftest import RUNNING_THEN_SLEEP, Runner, wait_until_running
 
@@ -27,8 +27,11 @@ async def test_many_concurrent_callers_each_get_their_own_result(pool: SlotPool)
 async def test_bad_requests_raise_invalid_request(pool: SlotPool) -> None:
     with pytest.raises(LimitExceedsCap, match="cannot exceed the configured limit"):
         await pool.run(ExecRequest(code="1", limits={"memory_mb": 10**6}))
-    with pytest.raises(InvalidRequest, match="lone surrogates"):
-        await pool.run(ExecRequest(code="print('\ud800')"))
+    with pytest.raises(ValueError, match="lone surrogates"):  # refused as the request is built
+        ExecRequest(code="print('\ud800')")
+    with pytest.raises(InvalidRequest, match="lone surrogates"):  # and by the pool, for one built unchecked
+        await pool.run(ExecRequest.model_construct(code="print('\ud800')", stdin="", limits=Limits(), id=None,
+                                                   profile=None, deadline_s=None, files={}, fetch_files=[]))
     with pytest.raises(InvalidRequest, match="code is .* bytes"):
         await pool.run(ExecRequest(code="#" * (pool.settings.max_code_bytes + 1)))
     with pytest.raises(InvalidRequest, match="unknown profile 'gpu'"):

@@ -178,7 +178,11 @@ redis.call('LPUSH', KEYS[2], ARGV[3] .. '\\n' .. ARGV[5])
 redis.call('EXPIRE', KEYS[2], {REPLY_TTL_S})
 if ARGV[6] ~= '' then
   redis.call('SET', prefix .. ':result:' .. ARGV[6], ARGV[5], 'EX', ARGV[8])
-  if ARGV[7] == '0' then redis.call('DEL', prefix .. ':call:' .. ARGV[6]) end
+  if ARGV[7] == '0' then
+    redis.call('DEL', prefix .. ':call:' .. ARGV[6])
+  else
+    redis.call('EXPIRE', prefix .. ':call:' .. ARGV[6], ARGV[8])  -- the id outlives its result
+  end
 end
 redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
