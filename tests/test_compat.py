@@ -196,6 +196,13 @@ HOSTILE = [
     ("import os, signal\nfor s in range(1, 65):\n    try: os.kill(1, s)\n    except OSError: pass\nprint('done')",
      "ok"),
     ("import os\nos.kill(os.getpid(), 9)", "error"),
+    ("while True: pass", "timeout"),
+    ("import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})\n"
+     "time.sleep(30)", "timeout"),
+    ("import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('parent done')", "ok"),
+    ("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe not utf-8\\n')", "ok"),
+    ("import threading, time\nfor _ in range(10000):\n    threading.Thread(target=time.sleep, args=(5,)).start()",
+     "error"),
 ]
 
 

@@ -217,18 +217,21 @@ async def ensure_group(r: Redis, keys: Keys) -> None:
             raise
 
 
-def encode_job(job: str, reply: str, call_id: str | None, request_json: str) -> str:
-    """A stream entry: request JSON is embedded as encoded once, never re-encoded."""
-    return (f'{{"job":{json.dumps(job)},"reply":{json.dumps(reply)},"t":{time.time():.6f},'
+def encode_job(job: str, reply: str, call_id: str | None, request_json: str, accepted: float | None = None) -> str:
+    """A stream entry: request JSON is embedded as encoded once, never re-encoded. `t` is when
+    the gateway took the call (wall clock: workers on other hosts compare it with theirs)."""
+    t = time.time() if accepted is None else accepted
+    return (f'{{"job":{json.dumps(job)},"reply":{json.dumps(reply)},"t":{t:.6f},'
             f'"cid":{json.dumps(call_id)},"req":{request_json}}}')
 
 
 class _Call:
     """One call this gateway wrote to the stream and has not answered yet."""
 
-    __slots__ = ("key", "request", "fingerprint", "future", "entry", "timer")
+    __slots__ = ("key", "request", "fingerprint", "future", "entry", "timer", "accepted")
 
-    def __init__(self, request: ExecRequest, future: asyncio.Future[ExecResult]) -> None:
+    def __init__(self, request: ExecRequest, future: asyncio.Future[ExecResult], accepted: float) -> None:
+        self.accepted = accepted  # time.monotonic() when the gateway took the call
         self.key = uuid.uuid4().hex
         self.request = request
         self.fingerprint = fingerprint(request) if request.id is not None else ""
@@ -317,6 +320,7 @@ class RedisQueue:
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
         loop = asyncio.get_running_loop()
+        accepted = time.monotonic() if accepted_at is None else accepted_at
         futures: list[asyncio.Future[ExecResult]] = []
         mine: list[_Call] = []
         for request in requests:
@@ -331,7 +335,7 @@ class RedisQueue:
                 future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False,
                                              message=f"the queue is unreachable ({self._down}); retry later"))
                 continue
-            call = _Call(request, future)
+            call = _Call(request, future, accepted)
             mine.append(call)
             if not self._pending:
                 loop.call_soon(self._spawn, self._flush())
@@ -380,7 +384,8 @@ class RedisQueue:
             chunk: list[_Call] = []
             for call in batch[start:start + SUBMIT_CHUNK]:
                 try:
-                    payload = encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json())
+                    payload = encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json(),
+                                         time.time() - (time.monotonic() - call.accepted))
                 except ValueError as exc:  # e.g. text that cannot be encoded: this call alone is refused
                     call.answer(ExecResult(id=None, status=Status.rejected, message=f"cannot be queued: {exc}"))
                     continue
@@ -417,7 +422,8 @@ class RedisQueue:
                     call.entry = answer
                     if call.request.deadline_s is not None and not call.future.done():
                         call.timer = asyncio.get_running_loop().call_later(
-                            call.request.deadline_s, self._cancel_soon, [call])
+                            max(0.0, call.request.deadline_s - (time.monotonic() - call.accepted)),
+                            self._cancel_soon, [call])
 
     def _attach(self, call: _Call, fp: str, job: str, _entry: str) -> None:
         """A resubmission of a call its client id already names: answer it with that call's result."""
