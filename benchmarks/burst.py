@@ -14,18 +14,16 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import redis
+from _service import start_redis, start_serve, wait_ready
 from rich.console import Console
 from rich.progress import Progress
 
-from codeenv import SandboxSettings
 from codeenv.queue.streams import DONE_TTL_S
 
 
@@ -34,18 +32,6 @@ def _vm(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-async def wait_ready(port: int) -> None:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-        for _ in range(900):
-            try:
-                if (await c.get("/readyz")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError("the service never became ready")
 
 
 async def burst(port: int, calls: int, batch: int) -> tuple[float, Counter[str]]:
@@ -80,18 +66,14 @@ async def main() -> None:
     console = Console()
     figures: dict[str, dict[str, object]] = {}
     redis_port = args.port + 1
-    redis_server = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    redis_server = start_redis(redis_port)
     db = redis.Redis(port=redis_port)
     try:
         for mode in ("embedded", "redis"):
             extra = ["--redis", f"redis://127.0.0.1:{redis_port}/0"] if mode == "redis" else []
-            env = dict(os.environ, CODEENV_UID_BASE=str(SandboxSettings().uid_base + 740))
-            server = subprocess.Popen(
-                [sys.executable, "-m", "codeenv.cli", "serve", "--port", str(args.port), "--slots", str(args.slots),
-                 "--log-level", "warning", *extra], env=env, stderr=subprocess.DEVNULL)
+            server = start_serve(args.port, args.slots, 740, *extra)
             try:
-                await wait_ready(args.port)
+                await wait_ready(f"http://127.0.0.1:{args.port}")
                 rss_before = _vm(server.pid, "VmRSS")
                 mem_before = int(db.info("memory")["used_memory"]) if mode == "redis" else 0
                 seconds, statuses = await burst(args.port, args.calls, args.batch)

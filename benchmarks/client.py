@@ -16,15 +16,13 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from _service import start_serve, wait_ready
 from rich.console import Console
 
-from codeenv import SandboxSettings
 from codeenv.client import AsyncClient
 
 
@@ -71,19 +69,10 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, CODEENV_UID_BASE=str(SandboxSettings().uid_base + 760))
-    server = subprocess.Popen([sys.executable, "-m", "codeenv.cli", "serve", "--port", str(args.port), "--slots",
-                               str(args.slots), "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL)
+    server = start_serve(args.port, args.slots, 760)
     samples: dict[str, list[float]] = {}
     try:
-        async with httpx.AsyncClient(base_url=url) as c:
-            for _ in range(900):
-                try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+        await wait_ready(url)
         for _ in range(args.rounds):
             for key, value in (await burst(url, args.calls) | await idle(url)).items():
                 samples.setdefault(key, []).append(value)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+from _service import start_redis, start_serve, wait_ready
 from rich.console import Console
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
@@ -58,24 +59,6 @@ async def http_throughput(c: httpx.AsyncClient, server_pid: int) -> tuple[float,
     return calls / (time.perf_counter() - t0), (_cpu_s(server_pid) - cpu0) / calls
 
 
-def _start_server(port: int, slots: int, uid_offset: int, *extra: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, CODEENV_UID_BASE=str(SandboxSettings().uid_base + uid_offset))
-    return subprocess.Popen(
-        [sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", str(slots),
-         "--log-level", "warning", *extra], env=env, stderr=subprocess.DEVNULL)
-
-
-async def _wait_ready(c: httpx.AsyncClient) -> None:
-    for _ in range(900):
-        try:
-            if (await c.get("/readyz")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{c.base_url} never became ready")
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 1)
@@ -85,20 +68,19 @@ async def main() -> None:
     args = parser.parse_args()
     console = Console()
     redis_port = args.port + 2
-    redis_server = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    redis_server = start_redis(redis_port)
     servers = {
-        "http": _start_server(args.port, args.slots, 700),
+        "http": start_serve(args.port, args.slots, 700),
         # Redis Streams with the worker in the gateway's process: one pool, as in the embedded case.
-        "redis": _start_server(args.port + 1, args.slots, 720, "--redis", f"redis://127.0.0.1:{redis_port}/0"),
+        "redis": start_serve(args.port + 1, args.slots, 720, "--redis", f"redis://127.0.0.1:{redis_port}/0"),
     }
     samples: dict[str, list[float]] = {}
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as c, \
                 httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port + 1}", timeout=120) as rc, \
                 SlotPool(SandboxSettings(slots=args.slots)) as pool:
-            await _wait_ready(c)
-            await _wait_ready(rc)
+            await wait_ready(str(c.base_url))
+            await wait_ready(str(rc.base_url))
             for _ in range(args.rounds):
                 samples.setdefault("direct_per_s", []).append(await direct_throughput(pool))
                 for name, client in (("http", c), ("redis", rc)):

@@ -9,11 +9,14 @@ import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 import redis
+import uvicorn
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.sandbox.zygote_proc import ZygoteProcess
@@ -118,3 +121,30 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 90) -> None:
+    """Until the service behind `client` answers /readyz with 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if (await client.get("/readyz")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{client.base_url} did not become ready within {timeout_s:g}s")
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """A real uvicorn server for `app` in this event loop (so it can share the session's pool)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -19,7 +19,7 @@ from codeenv.queue.memory import EmbeddedQueue
 from codeenv.queue.streams import RedisQueue
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, free_port, wait_ready
 
 
 class SharedPoolQueue(EmbeddedQueue):
@@ -166,13 +166,7 @@ async def test_codeenv_serve_over_real_http() -> None:
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            for _ in range(600):  # until it answers (bounded: 60 s)
-                try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_ready(c)
             r = await c.post("/v1/execute", json={"code": "import sympy\nprint(sympy.sqrt(8))"})
             assert r.status_code == 200 and r.json()["stdout"] == "2*sqrt(2)\n"
 
@@ -268,13 +262,7 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
         "--log-level", "warning", *extra, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            for _ in range(900):
-                try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_ready(c)
             code = "import random\nprint(random.random())"
             # Many connections, so every gateway process takes some; ids are shared by all of them.
             clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(12)]

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
 
 from codeenv import SlotPool
 from codeenv.api import create_app
@@ -29,7 +28,7 @@ from codeenv.client import (
 from codeenv.models import ErrorInfo, ExecResult, Status
 from codeenv.rl import ToolLedger
 from codeenv.settings import GatewaySettings
-from tests.conftest import free_port
+from tests.conftest import free_port, serving, wait_ready
 from tests.test_api import SharedPoolQueue
 
 
@@ -58,16 +57,9 @@ def gateway(pool: SlotPool, **settings: object) -> Counting:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
     """A real uvicorn server on the session's pool."""
-    port = free_port()
     config = GatewaySettings(slots=2)
-    app = create_app(config, SharedPoolQueue(pool, config.max_queued))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(srv.serve())
-    while not srv.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
-        await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    await task
+    async with serving(create_app(config, SharedPoolQueue(pool, config.max_queued))) as url:
+        yield url
 
 
 async def test_five_thousand_concurrent_calls_become_few_requests(server: str) -> None:
@@ -163,13 +155,8 @@ async def test_the_sync_client_works_inside_a_running_loop() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port),  # noqa: ASYNC220
                              "--slots", "1", "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:  # noqa: ASYNC210
-                    break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            await wait_ready(c)
         with Client(f"http://127.0.0.1:{port}") as client:
             assert client.run("print(6 * 7)").stdout == "42\n"
             assert [r.stdout for r in client.run_many(["print(1)", "print(2)"])] == ["1\n", "2\n"]

@@ -10,13 +10,12 @@ from typing import Any
 
 import httpx
 import pytest_asyncio
-import uvicorn
 from sandbox_fusion import RunCodeRequest, run_code
 
 from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.settings import GatewaySettings
-from tests.conftest import free_port
+from tests.conftest import serving
 from tests.test_api import SharedPoolQueue
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=1, code_judge_queue_wait_s=20)
@@ -25,15 +24,8 @@ SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=1, code_judge_queue_wait_s
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
     """A real uvicorn server on the session's pool (sync clients call it from threads)."""
-    port = free_port()
-    app = create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(srv.serve())
-    while not srv.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
-        await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    await task
+    async with serving(create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))) as url:
+        yield url
 
 
 def b64(data: bytes) -> str:

@@ -28,7 +28,7 @@ from codeenv.models import ExecResult
 from codeenv.queue.streams import GROUP, Keys, RedisQueue, encode_job
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, free_port, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -258,13 +258,7 @@ async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
     try:
         await wait_for_workers(redis_server, prefix, 1)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            for _ in range(300):
-                try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_ready(c)
             body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
             sent = asyncio.ensure_future(c.post("/v1/execute/batch", json=body))
             await asyncio.sleep(0.6)
@@ -378,18 +372,27 @@ async def test_a_stopping_worker_hands_unstarted_calls_back(
         redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="codeenv.worker")
-    # Two workers on one 2-slot pool: each claims two calls, so two wait for a slot in a worker.
+    # Two workers on one 2-slot pool: `second` busies both slots, then `first` claims two calls
+    # that can only wait for a slot. Stopping `first` must hand those back, not run them itself.
     first, second = (StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2))
-    await first.start()
     await second.start()
-    batch = asyncio.ensure_future(gateway.submit([sleepy(i, 1.0) for i in range(4)]))
-    await asyncio.sleep(0.5)
-    t0 = time.monotonic()
+    busy = asyncio.ensure_future(gateway.submit([sleepy(i, 1.0) for i in range(2)]))
+    for _ in range(200):
+        if pool.free_slots == 0:
+            break
+        await asyncio.sleep(0.01)
+    await first.start()
+    waiting = asyncio.ensure_future(gateway.submit([sleepy(i, 0.1) for i in range(2, 4)]))
+    for _ in range(200):
+        if first._held:
+            break
+        await asyncio.sleep(0.01)
     await first.stop()
-    assert time.monotonic() - t0 < 5
-    results = await asyncio.wait_for(batch, 30)
+    handed = [r for r in caplog.records if getattr(r, "event", None) == "hand_back"]
+    assert handed and handed[0].jobs == 2
+    results = await asyncio.wait_for(asyncio.gather(busy, waiting), 30)
     await second.stop()
-    assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+    assert [r.stdout for part in results for r in part] == [f"{i}\n" for i in range(4)]
     starts = Counter(getattr(r, "id", None) for r in caplog.records if getattr(r, "event", None) == "start")
     assert starts == Counter(f"call-{i}" for i in range(4))
 

@@ -97,12 +97,7 @@ def add_code_judge(app: FastAPI, settings: GatewaySettings, calls: CallQueue, an
             made = _judge_request(sub, settings)
             if isinstance(made, str):
                 slots.append(ExecResult(status=Status.rejected, message=made))
-            else:
-                try:
-                    made.check(settings)
-                except ValueError as exc:
-                    slots.append(ExecResult(status=Status.rejected, message=str(exc)))
-                    continue
+            else:  # the queue refuses what cannot run (over a cap, bad Unicode): `rejected`
                 runnable.append(made)
                 slots.append(None)
         ran = iter(await answer(request, runnable)) if runnable else iter(())
@@ -235,13 +230,9 @@ def add_sandbox_fusion(app: FastAPI, settings: GatewaySettings, answer: Answer) 
                                             "only python runs here", "executor_pod_name": None, "files": {}})
         try:
             call, notes = _fusion_request(body, settings)
-            call.check(settings)
-            call.decoded_files(settings)
         except ValidationError as exc:
             return JSONResponse({"detail": validation_errors(exc)}, 422)
-        except ValueError as exc:
-            return JSONResponse({"detail": str(exc)}, 422)
-        [result] = await answer(request, [call])
+        [result] = await answer(request, [call])  # what the queue refuses comes back `rejected`: 422
         if result.status == Status.overloaded:
             # What SandboxFusion's clients retry (verl: only 504).
             return JSONResponse({"detail": result.message or "overloaded"}, 504, {"Retry-After": "1"})

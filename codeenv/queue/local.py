@@ -32,7 +32,7 @@ from typing import Any
 
 from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import OnResult
+from codeenv.queue.base import NO_STATS, OnResult
 from codeenv.queue.memory import EmbeddedQueue
 
 logger = logging.getLogger(__name__)
@@ -167,8 +167,7 @@ class LocalQueue:
         return self._ready
 
     def stats(self) -> dict[str, float]:
-        return self._stats or {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
-                               "oldest_wait_s": 0, "workers": 0}
+        return self._stats or NO_STATS
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:

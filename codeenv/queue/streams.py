@@ -42,7 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from codeenv.errors import InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import OnResult, notify_each
+from codeenv.queue.base import NO_STATS, OnResult, notify_each
 from codeenv.queue.memory import fingerprint
 from codeenv.settings import GatewaySettings, QueueSettings
 
@@ -272,8 +272,7 @@ class RedisQueue:
         self._loops: list[asyncio.Task[None]] = []
         self._run_id: str | None = None
         self._down: str | None = None  # why Redis is unreachable, while it is
-        self._snapshot: dict[str, float] = {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0,
-                                            "waiting": 0, "oldest_wait_s": 0, "workers": 0}
+        self._snapshot: dict[str, float] = dict(NO_STATS)
 
     # --- lifecycle ------------------------------------------------------------------------------
 

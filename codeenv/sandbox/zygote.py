@@ -429,26 +429,6 @@ def _fetch_files(list_fd, out_fd):
     os.pwrite(out_fd, len(index).to_bytes(4, "little") + index, 0)
 
 
-def _collect(list_fd, out_fd, timeout_s):
-    """Fetch files in a child of their own (never in the zygote), within `timeout_s`."""
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            _fetch_files(list_fd, out_fd)
-        except BaseException as exc:
-            _log("collector:", type(exc).__name__, exc)
-            code = 1
-        os._exit(code)
-    pidfd = os.pidfd_open(pid)
-    ready, _, _ = select.select([pidfd], [], [], timeout_s)
-    os.close(pidfd)
-    if not ready:
-        _kill_everything()
-    else:
-        os.waitpid(pid, 0)
-
-
 def _report_setup_error(setup_fd, exc):
     # The setup memfd is closed before user code runs, so only a real setup failure (never the
     # program) can report one: the worker turns it into internal_error.
@@ -583,17 +563,16 @@ def _untouched(baseline):
             and not os.listxattr(workdir))
 
 
-def _clean(baseline, timeout_s):
-    """Make the work dir as it was at start; True if it is."""
-    if _untouched(baseline):
-        return True
+def _in_child(name, work, timeout_s):
+    """Run `work()` in a forked child (never in the zygote); True if it finished within
+    `timeout_s` and did not fail. A child that overruns is killed with everything else."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            _wipe(_config["workdir"])
+            work()
         except BaseException as exc:
-            _log("janitor:", type(exc).__name__, exc)
+            _log(f"{name}:", type(exc).__name__, exc)
             code = 1
         os._exit(code)
     pidfd = os.pidfd_open(pid)
@@ -603,7 +582,15 @@ def _clean(baseline, timeout_s):
         _kill_everything()
         return False
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0 and _workdir_usage() == baseline
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _clean(baseline, timeout_s):
+    """Make the work dir as it was at start; True if it is."""
+    if _untouched(baseline):
+        return True
+    wiped = _in_child("janitor", lambda: _wipe(_config["workdir"]), timeout_s)
+    return wiped and _workdir_usage() == baseline
 
 
 _spare_child = None
@@ -716,7 +703,7 @@ def _run(ctl, data, msg, fds, baseline):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if fetch:
         if msg.get("fetch"):
-            _collect(fetch[0], fetch[1], FETCH_TIMEOUT_S)
+            _in_child("collector", lambda: _fetch_files(fetch[0], fetch[1]), FETCH_TIMEOUT_S)
         for fd in fetch:
             os.close(fd)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
