@@ -7,6 +7,7 @@ Usage::
     codeenv worker --redis URL [--slots N]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
+    codeenv bench --target URL|codeenv|naive [--api ...] [--compare ...] [--limit]
 """
 
 from __future__ import annotations
@@ -182,6 +183,94 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
                 pool_proc.kill()
                 pool_proc.wait()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+@app.command()
+def bench(
+    target: Annotated[str | None, typer.Option(help="URL of the service, or codeenv, codeenv-redis, naive, "
+                                                    "naive-jail to have the bench start one on 127.0.0.1")] = None,
+    api: Annotated[str, typer.Option(help="codeenv, code-judge or sandbox-fusion")] = "codeenv",
+    compare: Annotated[str | None, typer.Option(help="a second target, run in alternation with the first")] = None,
+    compare_api: Annotated[str | None, typer.Option(help="the second target's API [default: --api]")] = None,
+    workload: Annotated[str, typer.Option(help="JSONL file of {code, stdin, timeout}, or math, print, sympy")] = "math",
+    expect: Annotated[Path | None, typer.Option(help="expected outcome per call (JSONL); shipped workloads "
+                                                     "bring their own")] = None,
+    check: Annotated[bool, typer.Option("--check/--no-check", help="count wrong answers")] = True,
+    mode: Annotated[str, typer.Option(help="grpo, concurrency (closed loop) or rate (open loop)")] = "grpo",
+    prompts: Annotated[int, typer.Option(min=1, help="grpo: prompts per step")] = 8,
+    samples: Annotated[int, typer.Option(min=1, help="grpo: samples (trajectories) per prompt")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="grpo: most tool calls per trajectory")] = 4,
+    steps: Annotated[int, typer.Option(min=1, help="grpo: training steps")] = 3,
+    think: Annotated[str, typer.Option(help="grpo: thinking gap before each call: 2, 0-2 or exp:MEAN (s)")] = "0-2",
+    concurrency: Annotated[int, typer.Option(min=1, help="concurrency: calls in flight")] = 32,
+    calls: Annotated[int, typer.Option(min=1, help="concurrency, rate: calls to send")] = 400,
+    rate: Annotated[float, typer.Option(min=0.001, help="rate: calls per second")] = 10.0,
+    poisson: Annotated[bool, typer.Option(help="rate: Poisson arrivals instead of evenly spaced")] = False,
+    seed: Annotated[int, typer.Option(help="seed of the traffic plan")] = 0,
+    procs: Annotated[int, typer.Option(min=1, help="generator processes")] = 1,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds per target (alternating with --compare)")] = 1,
+    slots: Annotated[int | None, typer.Option(min=1, help="slots of the targets the bench starts")] = None,
+    limit: Annotated[bool, typer.Option("--limit", help="measure the workload's physical limit here")] = False,
+    write_expect: Annotated[Path | None, typer.Option(help="with --limit: write each call's outcome here")] = None,
+    out: Annotated[Path, typer.Option(help="where the JSON report and the PNG figure go")] = Path("."),
+    http_timeout: Annotated[float, typer.Option(min=1, help="seconds to wait for one answer")] = 300.0,
+) -> None:
+    """Load-test a sandbox with GRPO-shaped rollout traffic (or fixed concurrency, or a fixed rate)
+    and report throughput, latency (queue wait, run time, overhead), step makespan and correctness."""
+    from codeenv.bench.apis import APIS, TargetError
+    from codeenv.bench.main import BenchFailed, Options, run_bench
+    from codeenv.bench.traffic import Scenario, Think
+    from codeenv.bench.workload import WorkloadError
+
+    if target is None and not limit:
+        raise _fail("give --target (a URL, or codeenv / naive / naive-jail / codeenv-redis), or --limit")
+    for name in (api, compare_api or api):
+        if name not in APIS:
+            raise _fail(f"unknown API {name!r}: choose from {', '.join(APIS)}")
+    if mode not in ("grpo", "concurrency", "rate"):
+        raise _fail(f"unknown mode {mode!r}: choose from grpo, concurrency, rate")
+    if write_expect and not limit:
+        raise _fail("--write-expect needs --limit (the limit run records each call's outcome)")
+    if mode == "grpo" and procs > prompts * samples:
+        raise _fail(f"--procs {procs} is more than the {prompts * samples} trajectories of a step")
+    try:
+        scenario = Scenario(mode, prompts, samples, turns, steps, Think.parse(think), concurrency, calls, rate,
+                            poisson, seed)
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    options = Options(target, api, compare, compare_api, workload, expect, check, scenario, procs, rounds, slots,
+                      limit, write_expect, out, http_timeout)
+    console = Console()
+    try:
+        status = run_bench(options, console)
+    except (TargetError, WorkloadError, BenchFailed, CodeenvError) as exc:
+        raise _fail(str(exc)) from exc
+    except KeyboardInterrupt:
+        raise _fail("interrupted") from None
+    raise typer.Exit(status)
+
+
+@app.command(hidden=True)
+def baseline(
+    design: Annotated[str, typer.Argument(help="naive (a fresh python3 per call) or naive-jail (nsjail + python3)")],
+    port: Annotated[int, typer.Option(help="port to bind on 127.0.0.1")] = 8001,
+    slots: Annotated[int | None, typer.Option(help="calls at once (default: one per core)")] = None,
+) -> None:
+    """A baseline design behind codeenv's gateway, for `codeenv bench` to compare against."""
+    import uvicorn
+
+    from codeenv.api import create_app
+    from codeenv.bench.baseline import DESIGNS, BaselineQueue
+
+    if design not in DESIGNS:
+        raise _fail(f"unknown baseline {design!r}: choose from {', '.join(DESIGNS)}")
+    settings = GatewaySettings(port=port)
+    if slots:
+        settings = settings.model_copy(update={"slots": slots})
+    _setup_logging("text")
+    logging.getLogger("codeenv").setLevel(logging.WARNING)
+    uvicorn.run(create_app(settings, queue=BaselineQueue(design, settings)), host="127.0.0.1", port=port,
+                log_level="warning")
 
 
 @app.command(hidden=True)

@@ -1,0 +1,146 @@
+"""How a bench speaks to a target: codeenv's API, code-judge's or SandboxFusion's.
+
+Each API sends one call per HTTP request, the way its usual clients do, and turns the answer into
+an `Outcome`: how the call ended (the same words for every API), its stdout, and the queue wait
+and run time where the API reports them (codeenv reports both; code-judge and SandboxFusion only
+the run time, so their overhead figure includes queueing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from codeenv.bench.workload import Call
+
+APIS = ("codeenv", "code-judge", "sandbox-fusion")
+
+
+class TargetError(RuntimeError):
+    """A target that cannot be benchmarked (down, another API, failing); the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: str
+    stdout: str = ""
+    queue_s: float | None = None
+    run_s: float | None = None
+    error: str | None = None  # why an HTTP exchange failed
+
+
+def _short(response: httpx.Response) -> str:
+    return f"HTTP {response.status_code}: {response.text[:200].strip()}"
+
+
+class Api:
+    name: str
+    ping_path: str
+    call_path: str
+
+    def body(self, call: Call) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def outcome(self, data: Any) -> Outcome:
+        raise NotImplementedError
+
+    async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
+        try:
+            response = await client.post(self.call_path, json=self.body(call))
+        except httpx.HTTPError as exc:
+            return Outcome("http_error", error=f"{type(exc).__name__}: {exc}"[:200])
+        if response.status_code == 504 or response.status_code == 429:
+            return Outcome("overloaded", error=_short(response))
+        if response.status_code == 422:
+            return Outcome("rejected", error=_short(response))
+        if response.status_code != 200:
+            return Outcome("http_error", error=_short(response))
+        try:
+            return self.outcome(response.json())
+        except (ValueError, KeyError, TypeError) as exc:
+            return Outcome("http_error", error=f"unexpected {self.name} answer ({exc!r}): {response.text[:200]}")
+
+    async def check(self, client: httpx.AsyncClient) -> None:
+        """Raise TargetError unless the target is up, speaks this API and runs `print(1)`."""
+        base = client.base_url
+        try:
+            ping = await client.get(self.ping_path)
+        except httpx.HTTPError as exc:
+            raise TargetError(f"cannot reach {base} ({type(exc).__name__}: {exc}); is the service running?") from exc
+        if ping.status_code == 404:
+            raise TargetError(f"{base} does not speak the {self.name} API: GET {self.ping_path} answered 404; "
+                              f"pick the right --api ({', '.join(APIS)})")
+        if ping.status_code >= 400:
+            raise TargetError(f"{base} is not ready: GET {self.ping_path} answered {_short(ping)}")
+        result = await self.call(client, Call("print(1)"))
+        if result.status == "http_error" and result.error and "HTTP 404" in result.error:
+            raise TargetError(f"{base} does not speak the {self.name} API: POST {self.call_path} answered 404; "
+                              f"pick the right --api ({', '.join(APIS)})")
+        if result.status != "ok" or result.stdout.strip() != "1":
+            raise TargetError(f"{base} failed a trial call (print(1)) through the {self.name} API: "
+                              f"{result.error or f'status {result.status}, stdout {result.stdout[:80]!r}'}")
+
+
+class CodeenvApi(Api):
+    name, ping_path, call_path = "codeenv", "/readyz", "/v1/execute"
+
+    def body(self, call: Call) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin}
+        if call.timeout is not None:
+            body["limits"] = {"wall_s": call.timeout}
+        return body
+
+    def outcome(self, data: Any) -> Outcome:
+        return Outcome(str(data["status"]), data.get("stdout", ""), float(data.get("queue_s", 0.0)),
+                       float(data.get("wall_s", 0.0)))
+
+
+class CodeJudgeApi(Api):
+    """code-judge's ``POST /run`` (its result says only success, run_success, cost and reason)."""
+
+    name, ping_path, call_path = "code-judge", "/ping", "/run"
+
+    def body(self, call: Call) -> dict[str, Any]:
+        return {"type": "python", "solution": call.code, "input": call.stdin}
+
+    def outcome(self, data: Any) -> Outcome:
+        if data.get("reason") == "worker_timeout":
+            status = "timeout"
+        elif data.get("reason") == "queue_timeout":
+            status = "overloaded"
+        elif data.get("reason"):
+            status = "internal_error"
+        else:
+            status = "ok" if data["run_success"] else "error"
+        return Outcome(status, data.get("stdout", ""), None, float(data.get("cost", 0.0)))
+
+
+class SandboxFusionApi(Api):
+    """SandboxFusion's ``POST /run_code``."""
+
+    name, ping_path, call_path = "sandbox-fusion", "/v1/ping", "/run_code"
+
+    def body(self, call: Call) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin, "language": "python"}
+        if call.timeout is not None:
+            body["run_timeout"] = call.timeout
+        return body
+
+    def outcome(self, data: Any) -> Outcome:
+        run = data.get("run_result") or {}
+        if data["status"] == "SandboxError":
+            status = "internal_error"
+        elif run.get("status") == "TimeLimitExceeded":
+            status = "timeout"
+        else:
+            status = "ok" if data["status"] == "Success" else "error"
+        return Outcome(status, run.get("stdout") or "", None, float(run.get("execution_time") or 0.0))
+
+
+def api(name: str) -> Api:
+    apis: dict[str, type[Api]] = {"codeenv": CodeenvApi, "code-judge": CodeJudgeApi, "sandbox-fusion": SandboxFusionApi}
+    if name not in apis:
+        raise TargetError(f"unknown API {name!r}; choose from {', '.join(APIS)}")
+    return apis[name]()
