@@ -151,4 +151,6 @@ def measure_limit(calls: list[Call], settings: SandboxSettings | None = None,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
     return report
