@@ -162,7 +162,8 @@ class CgroupLayout:
             if not (root / name / probe).exists() or name not in own:
                 raise SandboxError(
                     f"cgroup v1: the {name} hierarchy is not mounted at {root / name} (mounted: "
-                    f"{' '.join(mounted)}); jails need memory and pids caps: mount it ({V1_HINT})")
+                    f"{' '.join(mounted)}); jails need memory and pids caps: mount it "
+                    f"(mount -t cgroup -o {name} cgroup {root / name})")
         return cls(root, 1, own)
 
     def mount(self, hierarchy: str) -> Path:

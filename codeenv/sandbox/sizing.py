@@ -131,7 +131,7 @@ class SlotPlan:
             return (f"memory: one slot needs {self.zygote_mb} MB zygote + {self.call_mb} MB per call = "
                     f"{self.slot_mb} MB, more than {room}; lower caps.memory_mb (CODEENV_CAPS__MEMORY_MB) "
                     "or give the worker more memory")
-        return f"memory: {sum_} exceeds {room}; running {self.slots} slots"
+        return f"memory: {sum_} exceeds {room}; running {self.slots} slot{'s' if self.slots > 1 else ''}"
 
 
 def plan_slots(settings: SandboxSettings, spec: ImageSpec, allowance: MemoryAllowance) -> SlotPlan:
