@@ -7,6 +7,7 @@ Usage::
     codeenv worker --redis URL [--slots N]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
+    codeenv doctor [--json] [--cgroup-root PATH]
 """
 
 from __future__ import annotations
@@ -264,6 +265,31 @@ def worker(
         asyncio.run(go())
     except (CodeenvError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    cgroup_root: Annotated[Path | None, typer.Option(
+        help="cgroup mount to judge [default: CODEENV_CGROUP_ROOT, else /sys/fs/cgroup]")] = None,
+    slots: Annotated[int | None, typer.Option(help="slots to size for (default: CODEENV_SLOTS, else one per core)")]
+    = None,
+) -> None:
+    """Check what this host offers a worker (namespaces, cgroups, seccomp, nsjail, image, memory for
+    the slots, uids, swap, BPF) and say what is missing; exit status 1 if the worker could not run."""
+    from codeenv.doctor import render, run_checks, to_json
+
+    try:
+        given = {"cgroup_root": cgroup_root, "slots": slots}
+        settings = SandboxSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    report = run_checks(settings)
+    if as_json:
+        print(to_json(report))
+    else:
+        render(report, Console())
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @image_app.command("build")

@@ -232,6 +232,16 @@ def _enable_controllers(cgroup: Path, controllers: list[str], fs: CgroupFs) -> N
         f"moves them into {SUPERVISOR_LEAF}; start the worker in a cgroup of its own")
 
 
+def require_v2_controllers(cgroup: Path, available: list[str]) -> None:
+    """SandboxError naming the first required controller that `cgroup` is not given."""
+    for controller in REQUIRED_CONTROLLERS:
+        if controller not in available:
+            raise SandboxError(
+                f"cgroup v2: the {controller} controller is not available in {cgroup} (cgroup.controllers "
+                f"lists: {' '.join(available) or 'nothing'}); give the container a cgroup with {controller} "
+                f"delegated ({V2_HINT})")
+
+
 def delegate_v2(cgroup: Path, fs: CgroupFs | None = None) -> list[str]:
     """Make memory and pids (and cpu, if offered) usable by groups below `cgroup`; return them.
 
@@ -240,12 +250,7 @@ def delegate_v2(cgroup: Path, fs: CgroupFs | None = None) -> list[str]:
     """
     fs = fs or CgroupFs()
     available = fs.read(cgroup / "cgroup.controllers").split()
-    for controller in REQUIRED_CONTROLLERS:
-        if controller not in available:
-            raise SandboxError(
-                f"cgroup v2: the {controller} controller is not available in {cgroup} (cgroup.controllers "
-                f"lists: {' '.join(available) or 'nothing'}); give the container a cgroup with {controller} "
-                f"delegated ({V2_HINT})")
+    require_v2_controllers(cgroup, available)
     enabled = fs.read(cgroup / "cgroup.subtree_control").split()
     missing = [c for c in REQUIRED_CONTROLLERS if c not in enabled]
     if missing:
