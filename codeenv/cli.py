@@ -132,9 +132,11 @@ def serve(
     if settings.redis_url is None or settings.local_worker:
         try:
             from codeenv.sandbox.image import ensure_image
+            from codeenv.sandbox.sizing import preflight
 
-            ensure_image(settings, progress=_progress)  # build before binding, with progress
-        except CodeenvError as exc:
+            image = ensure_image(settings, progress=_progress)  # build before binding, with progress
+            preflight(settings, image.spec)  # refuse before binding: no cgroups for jails, no memory for a slot
+        except (CodeenvError, OSError) as exc:
             raise _fail(str(exc)) from exc
     # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
     # app's lifespan closes the pool; a second signal forces.
@@ -228,6 +230,7 @@ def worker(
     import signal
 
     from codeenv.sandbox.image import ensure_image
+    from codeenv.sandbox.sizing import preflight
     from codeenv.settings import QueueSettings
     from codeenv.worker import StreamWorker
 
@@ -239,8 +242,8 @@ def worker(
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     try:
-        ensure_image(settings, progress=_progress)
-    except CodeenvError as exc:
+        preflight(settings, ensure_image(settings, progress=_progress).spec)
+    except (CodeenvError, OSError) as exc:
         raise _fail(str(exc)) from exc
 
     async def go() -> None:

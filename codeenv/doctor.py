@@ -35,6 +35,7 @@ from codeenv.sandbox.cgroups import (
     OPTIONAL_CONTROLLERS,
     REQUIRED_CONTROLLERS,
     SUPERVISOR_LEAF,
+    V2_WRITE_HINT,
     CgroupLayout,
     require_v2_controllers,
 )
@@ -180,11 +181,11 @@ def check_cgroups(report: Report, root: Path | None) -> CgroupLayout | None:
     else:
         plan = f"the worker will enable {' '.join('+' + c for c in missing)}"
     if missing and not os.access(own / "cgroup.subtree_control", os.W_OK):
-        report.add("cgroup", Level.fail, f"v2 at {own}: cgroup.subtree_control is not writable")
+        report.add("cgroup", Level.fail, f"v2 at {own}: cgroup.subtree_control is not writable ({V2_WRITE_HINT})")
         return layout
     error = _probe_dir(own)
     if error is not None:
-        report.add("cgroup", Level.fail, f"v2 at {own}: cannot create a group there ({error})")
+        report.add("cgroup", Level.fail, f"v2 at {own}: cannot create a group there ({error}; {V2_WRITE_HINT})")
         return layout
     report.add("cgroup", Level.ok, f"v2 at {own}, offering {' '.join(available)}; {plan}")
     if "cpu" not in available:

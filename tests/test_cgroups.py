@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -363,3 +365,12 @@ async def test_pool_refuses_when_not_one_slot_fits() -> None:
     with pytest.raises(SandboxError, match="memory: one slot needs"):
         await pool.start()
     assert pool.slots == []
+
+
+def test_serve_refuses_before_binding_when_not_one_slot_fits() -> None:
+    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 700), "CODEENV_CAPS__MEMORY_MB": str(10**7),
+           "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "codeenv.cli", "serve", "--port", "1"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "error: memory: one slot needs" in " ".join(done.stderr.split()) and "Traceback" not in done.stderr

@@ -46,6 +46,8 @@ SUPERVISOR_LEAF = "codeenv-supervisor"
 REQUIRED_CONTROLLERS = ("memory", "pids")
 OPTIONAL_CONTROLLERS = ("cpu",)
 V2_HINT = "docker: --cgroupns=private, systemd: Delegate=yes"
+#: Docker mounts /sys/fs/cgroup read-only in a container that is not --privileged.
+V2_WRITE_HINT = "docker: --cgroupns=private with /sys/fs/cgroup read-write, e.g. --privileged; systemd: Delegate=yes"
 V1_HINT = "docker: --privileged, or /sys/fs/cgroup mounted read-write"
 #: Times the worker moves its cgroup's processes out before giving up (new ones may keep arriving).
 MOVE_ATTEMPTS = 5
@@ -205,7 +207,7 @@ def _move_processes(cgroup: Path, leaf: Path, fs: CgroupFs) -> int:
                 continue  # it exited meanwhile
             raise SandboxError(
                 f"cgroup v2: cannot move process {pid} from {cgroup} into {leaf} ({exc}); the worker must "
-                f"own its cgroup ({V2_HINT})") from exc
+                f"own its cgroup ({V2_WRITE_HINT})") from exc
     return moved
 
 
@@ -223,7 +225,7 @@ def _enable_controllers(cgroup: Path, controllers: list[str], fs: CgroupFs) -> N
             if exc.errno != errno.EBUSY:
                 raise SandboxError(
                     f"cgroup v2: cannot enable {text} in {control} ({exc}); give the worker a cgroup with "
-                    f"{' and '.join(controllers)} delegated ({V2_HINT})") from exc
+                    f"{' and '.join(controllers)} delegated ({V2_WRITE_HINT})") from exc
         moved = _move_processes(cgroup, cgroup / SUPERVISOR_LEAF, fs)
         logger.info("cgroup v2: moved %d process(es) of %s into %s, so that it can enable %s", moved, cgroup,
                     SUPERVISOR_LEAF, text)
@@ -530,7 +532,7 @@ class CgroupTree:
             fs.write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in enabled))
         except OSError as exc:
             raise SandboxError(f"cgroup v2: cannot create the jails' cgroups under {base} ({exc}); the worker "
-                               f"must own its cgroup ({V2_HINT})") from exc
+                               f"must own its cgroup ({V2_WRITE_HINT})") from exc
         return {"unified": base}
 
     @staticmethod

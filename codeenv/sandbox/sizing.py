@@ -11,6 +11,7 @@ Usage::
 
     plan = plan_slots(settings, image.spec, memory_allowance(layout))
     slots = apply_plan(plan)         # logs a warning if it had to lower the count; raises if 0
+    preflight(settings, image.spec)  # the same refusals, before a command binds or starts anything
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from codeenv.errors import SandboxError
-from codeenv.sandbox.cgroups import CgroupLayout
+from codeenv.sandbox.cgroups import CgroupLayout, require_v2_controllers
 from codeenv.sandbox.image import ImageSpec
 from codeenv.settings import SandboxSettings
 
@@ -149,3 +150,17 @@ def apply_plan(plan: SlotPlan) -> int:
     if plan.slots < plan.wanted:
         logger.warning("%s", plan.describe())
     return plan.slots
+
+
+def preflight(settings: SandboxSettings, spec: ImageSpec) -> SlotPlan:
+    """What the pool would refuse at start, checked without touching the host: a cgroup hierarchy
+    without memory or pids, or not one slot fitting in memory. Lets `codeenv serve` fail with a
+    message before it binds, instead of with its application's start-up traceback."""
+    layout = CgroupLayout.detect(settings.cgroup_root)
+    if layout.version == 2:
+        cgroup = layout.delegated_dir()
+        require_v2_controllers(cgroup, (cgroup / "cgroup.controllers").read_text().split())
+    plan = plan_slots(settings, spec, memory_allowance(layout))
+    if plan.slots == 0:
+        raise SandboxError(plan.describe())
+    return plan
