@@ -218,10 +218,9 @@ class SlotPool:
             return
         actual = SlotPlan(len(self.slots), len(self.slots), measured_mb, plan.call_mb, plan.allowance)
         if actual.needed_mb > actual.allowance.limit_mb:
-            logger.warning("memory: a slot's zygotes take %d MB, not the %d MB estimated: %d slots × (%d MB + %d MB "
-                           "per call) = %d MB exceed the %d MB %s; set CODEENV_ZYGOTE_MEMORY_MB=%d or fewer slots",
-                           measured_mb, plan.zygote_mb, actual.wanted, measured_mb, plan.call_mb, actual.needed_mb,
-                           plan.allowance.limit_mb, plan.allowance.source, measured_mb)
+            logger.warning("memory: a slot's zygotes take %d MB, not the %d MB estimated: %s exceeds %s; set "
+                           "CODEENV_ZYGOTE_MEMORY_MB=%d, and the pool starts only the slots that fit",
+                           measured_mb, plan.zygote_mb, actual.arithmetic, actual.room, measured_mb)
 
     async def close(self) -> None:
         self._open = False

@@ -121,11 +121,18 @@ class SlotPlan:
     def needed_mb(self) -> int:
         return self.wanted * self.slot_mb
 
+    @property
+    def arithmetic(self) -> str:
+        return (f"{self.wanted} slot{'s' if self.wanted > 1 else ''} × ({self.zygote_mb} MB zygote + "
+                f"{self.call_mb} MB per call) = {self.needed_mb} MB")
+
+    @property
+    def room(self) -> str:
+        return f"the {self.allowance.limit_mb} MB {self.allowance.source}"
+
     def describe(self) -> str:
         """One line: the arithmetic and its verdict (what the pool logs and `codeenv doctor` shows)."""
-        sum_ = (f"{self.wanted} slots × ({self.zygote_mb} MB zygote + {self.call_mb} MB per call) = "
-                f"{self.needed_mb} MB")
-        room = f"the {self.allowance.limit_mb} MB {self.allowance.source}"
+        sum_, room = self.arithmetic, self.room
         if self.slots == self.wanted:
             return f"memory: {sum_} fits in {room}"
         if self.slots == 0:
