@@ -8,6 +8,7 @@ Usage::
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
     codeenv bench --target URL|codeenv|naive [--api ...] [--compare ...] [--limit]
+    codeenv doctor [--json] [--cgroup-root PATH]
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ def serve(
     if settings.redis_url is None or settings.local_worker:
         try:
             from codeenv.sandbox.image import ensure_image
+            from codeenv.sandbox.sizing import preflight
 
-            ensure_image(settings, progress=_progress)  # build before binding, with progress
-        except CodeenvError as exc:
+            image = ensure_image(settings, progress=_progress)  # build before binding, with progress
+            preflight(settings, image.spec)  # refuse before binding: no cgroups for jails, no memory for a slot
+        except (CodeenvError, OSError) as exc:
             raise _fail(str(exc)) from exc
     # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
     # app's lifespan closes the pool; a second signal forces.
@@ -316,6 +319,7 @@ def worker(
     import signal
 
     from codeenv.sandbox.image import ensure_image
+    from codeenv.sandbox.sizing import preflight
     from codeenv.settings import QueueSettings
     from codeenv.worker import StreamWorker
 
@@ -327,8 +331,8 @@ def worker(
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     try:
-        ensure_image(settings, progress=_progress)
-    except CodeenvError as exc:
+        preflight(settings, ensure_image(settings, progress=_progress).spec)
+    except (CodeenvError, OSError) as exc:
         raise _fail(str(exc)) from exc
 
     async def go() -> None:
@@ -353,6 +357,31 @@ def worker(
         asyncio.run(go())
     except (CodeenvError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    cgroup_root: Annotated[Path | None, typer.Option(
+        help="cgroup mount to judge [default: CODEENV_CGROUP_ROOT, else /sys/fs/cgroup]")] = None,
+    slots: Annotated[int | None, typer.Option(help="slots to size for (default: CODEENV_SLOTS, else one per core)")]
+    = None,
+) -> None:
+    """Check what this host offers a worker (namespaces, cgroups, seccomp, nsjail, image, memory for
+    the slots, uids, swap, BPF) and say what is missing; exit status 1 if the worker could not run."""
+    from codeenv.doctor import render, run_checks, to_json
+
+    try:
+        given = {"cgroup_root": cgroup_root, "slots": slots}
+        settings = SandboxSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    report = run_checks(settings)
+    if as_json:
+        print(to_json(report))
+    else:
+        render(report, Console())
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @image_app.command("build")

@@ -78,6 +78,11 @@ class SandboxSettings(BaseSettings):
         1.0, ge=0, allow_inf_nan=False,
         description="CPU cores one call (and its zygote) may use at once, so it cannot starve other slots; 0: no cap",
     )
+    zygote_memory_mb: int | None = Field(
+        None, gt=0,
+        description="memory one slot's idle zygotes take, all profiles together, for sizing the pool against "
+                    "the worker's memory (default: estimated from the image's preloads)",
+    )
     prefork: bool = Field(True, description="keep a prepared child forked ahead of each call")
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")

@@ -6,6 +6,14 @@ Reading these files from outside is how the worker learns, without trusting the 
 call hit its memory cap (OOM-kill events), how much memory it used at peak, and whether any of its
 processes survived.
 
+The worker refuses to start without working memory and pids caps rather than run jails without
+them. On v1 it needs the ``memory`` and ``pids`` hierarchies, writable where it sits. On v2 (a
+container with a private cgroup namespace, or a systemd unit with ``Delegate=yes``) it manages its
+own cgroup: v2 lets a group with processes hand no controllers to its children ("no internal
+processes"), so the worker first moves every process of its cgroup (itself, a container's init,
+...) into the leaf ``codeenv-supervisor``, then enables ``+memory +pids`` (and ``+cpu`` if offered)
+in its cgroup's ``cgroup.subtree_control``, and again in its ``codeenv-<pid>`` subtree.
+
 Usage::
 
     tree = CgroupTree.create()                  # v1 or v2, detected
@@ -21,6 +29,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +40,17 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = -1
+#: The v2 leaf that the processes of the worker's own cgroup move into, so it can delegate controllers.
+SUPERVISOR_LEAF = "codeenv-supervisor"
+#: Controllers a jail cannot go without, and the one it can (calls then run without a CPU cap).
+REQUIRED_CONTROLLERS = ("memory", "pids")
+OPTIONAL_CONTROLLERS = ("cpu",)
+V2_HINT = "docker: --cgroupns=private, systemd: Delegate=yes"
+#: Docker mounts /sys/fs/cgroup read-only in a container that is not --privileged.
+V2_WRITE_HINT = "docker: --cgroupns=private with /sys/fs/cgroup read-write, e.g. --privileged; systemd: Delegate=yes"
+V1_HINT = "docker: --privileged, or /sys/fs/cgroup mounted read-write"
+#: Times the worker moves its cgroup's processes out before giving up (new ones may keep arriving).
+MOVE_ATTEMPTS = 5
 
 
 def _parse_int(text: str) -> int:
@@ -76,15 +97,178 @@ class _ControlFiles:
         self._fds.clear()
 
 
-def _own_cgroup(controller: str) -> str:
-    """This process's cgroup path for `controller` ('' for the v2 unified hierarchy)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """``/proc/<pid>/cgroup`` as {controller: path}; the v2 unified hierarchy is the key ''."""
+    own: dict[str, str] = {}
+    for line in text.splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
-            return path
-        if controller and controller in controllers.split(","):
-            return path
-    raise SandboxError(f"this process is in no {controller or 'unified'} cgroup")
+        for controller in controllers.split(",") if controllers else [""]:
+            own.setdefault(controller, path)
+    return own
+
+
+def _mounted_v1(root: Path) -> list[str]:
+    try:
+        return sorted(d.name for d in root.iterdir() if (d / "cgroup.procs").exists())
+    except OSError:
+        return []
+
+
+class CgroupFs:
+    """The file operations of setting up the worker's subtree (never of a call: see _ControlFiles).
+
+    cgroupfs is not a file system like others: a write to ``cgroup.procs`` moves a process,
+    ``cgroup.subtree_control`` refuses controllers with EBUSY while its group holds processes, and
+    one write carries one value. Tests stand in for those rules with a subclass over a plain directory.
+    """
+
+    def read(self, path: Path) -> str:
+        return path.read_text()
+
+    def write(self, path: Path, text: str) -> None:
+        with open(path, "w") as f:  # one write() per value, as cgroupfs wants it
+            f.write(text)
+
+    def mkdir(self, path: Path) -> None:
+        path.mkdir(exist_ok=True)
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where cgroups are mounted (`root`), which version, and where this process sits (`own`).
+
+    Both the root and `own` (``/proc/self/cgroup``, parsed) can be given, so the logic runs against
+    a directory laid out like a hierarchy in tests and in ``codeenv doctor --cgroup-root``.
+    """
+
+    root: Path
+    version: int
+    own: Mapping[str, str]
+
+    @classmethod
+    def detect(cls, root: Path | None = None, proc_cgroup: str | None = None) -> CgroupLayout:
+        """The layout under `root`; SandboxError saying what is missing if it cannot cap jails."""
+        root = root or DEFAULT_ROOT
+        own = parse_proc_cgroup(proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text())
+        if (root / "cgroup.controllers").exists():
+            if "" not in own:
+                raise SandboxError(f"cgroup v2 is mounted at {root}, but this process is in no v2 cgroup")
+            return cls(root, 2, own)
+        mounted = _mounted_v1(root)
+        if not mounted:
+            raise SandboxError(
+                f"no cgroup file system at {root}: the worker needs cgroup v1 (memory and pids hierarchies) or "
+                f"cgroup v2 with memory and pids delegated ({V2_HINT})")
+        checks = {"memory": "memory.limit_in_bytes", "pids": "cgroup.procs"}
+        for name, probe in checks.items():
+            if not (root / name / probe).exists() or name not in own:
+                raise SandboxError(
+                    f"cgroup v1: the {name} hierarchy is not mounted at {root / name} (mounted: "
+                    f"{' '.join(mounted)}); jails need memory and pids caps: mount it "
+                    f"(mount -t cgroup -o {name} cgroup {root / name})")
+        return cls(root, 1, own)
+
+    def mount(self, hierarchy: str) -> Path:
+        """The mount of a v1 hierarchy ("memory", "pids", "cpu"); the v2 root for ""."""
+        return self.root / hierarchy if hierarchy else self.root
+
+    def own_dir(self, hierarchy: str) -> Path:
+        """This process's cgroup directory in `hierarchy` ("" on v2).
+
+        In a container without a cgroup namespace, /proc/self/cgroup names a path on the host, while
+        the mount shows the container's own group as its root: then the mount root is the answer.
+        """
+        mount = self.mount(hierarchy)
+        path = mount / self.own[hierarchy].lstrip("/")
+        if path != mount and not path.is_dir():
+            try:
+                if str(os.getpid()) in (mount / "cgroup.procs").read_text().split():
+                    return mount
+            except OSError:
+                pass
+        return path
+
+    def delegated_dir(self) -> Path:
+        """v2: the cgroup the worker manages (its own, or the parent of its supervisor leaf)."""
+        own = self.own_dir("")
+        return own.parent if own.name == SUPERVISOR_LEAF else own
+
+
+def _move_processes(cgroup: Path, leaf: Path, fs: CgroupFs) -> int:
+    """Move every process of `cgroup` into `leaf`; return how many moved."""
+    fs.mkdir(leaf)
+    moved = 0
+    for pid in fs.read(cgroup / "cgroup.procs").split():
+        try:
+            fs.write(leaf / "cgroup.procs", pid)
+            moved += 1
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                continue  # it exited meanwhile
+            raise SandboxError(
+                f"cgroup v2: cannot move process {pid} from {cgroup} into {leaf} ({exc}); the worker must "
+                f"own its cgroup ({V2_WRITE_HINT})") from exc
+    return moved
+
+
+def _enable_controllers(cgroup: Path, controllers: list[str], fs: CgroupFs) -> None:
+    """Write ``+c ...`` to `cgroup`'s subtree_control, first moving its processes into a leaf if v2
+    refuses (EBUSY: a group with processes cannot hand controllers to its children). Processes may
+    arrive between the move and the write (a ``docker exec``), so it tries a few times."""
+    control = cgroup / "cgroup.subtree_control"
+    text = " ".join(f"+{c}" for c in controllers)
+    for _ in range(MOVE_ATTEMPTS):
+        try:
+            fs.write(control, text)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise SandboxError(
+                    f"cgroup v2: cannot enable {text} in {control} ({exc}); give the worker a cgroup with "
+                    f"{' and '.join(controllers)} delegated ({V2_WRITE_HINT})") from exc
+        moved = _move_processes(cgroup, cgroup / SUPERVISOR_LEAF, fs)
+        logger.info("cgroup v2: moved %d process(es) of %s into %s, so that it can enable %s", moved, cgroup,
+                    SUPERVISOR_LEAF, text)
+    raise SandboxError(
+        f"cgroup v2: cannot enable {text} in {control}: processes keep arriving in {cgroup} while the worker "
+        f"moves them into {SUPERVISOR_LEAF}; start the worker in a cgroup of its own")
+
+
+def require_v2_controllers(cgroup: Path, available: list[str]) -> None:
+    """SandboxError naming the first required controller that `cgroup` is not given."""
+    for controller in REQUIRED_CONTROLLERS:
+        if controller not in available:
+            raise SandboxError(
+                f"cgroup v2: the {controller} controller is not available in {cgroup} (cgroup.controllers "
+                f"lists: {' '.join(available) or 'nothing'}); give the container a cgroup with {controller} "
+                f"delegated ({V2_HINT})")
+
+
+def delegate_v2(cgroup: Path, fs: CgroupFs | None = None) -> list[str]:
+    """Make memory and pids (and cpu, if offered) usable by groups below `cgroup`; return them.
+
+    Refuses (SandboxError) when `cgroup` is not given memory or pids: jails without them would run
+    uncapped. The cpu controller is optional: without it, calls run without a CPU cap.
+    """
+    fs = fs or CgroupFs()
+    available = fs.read(cgroup / "cgroup.controllers").split()
+    require_v2_controllers(cgroup, available)
+    enabled = fs.read(cgroup / "cgroup.subtree_control").split()
+    missing = [c for c in REQUIRED_CONTROLLERS if c not in enabled]
+    if missing:
+        _enable_controllers(cgroup, missing, fs)
+    wanted = list(REQUIRED_CONTROLLERS)
+    for controller in OPTIONAL_CONTROLLERS:
+        if controller not in available:
+            continue
+        if controller not in enabled:
+            try:
+                _enable_controllers(cgroup, [controller], fs)
+            except SandboxError as exc:
+                logger.warning("%s; calls run without a %s cap", exc, controller)
+                continue
+        wanted.append(controller)
+    return wanted
 
 
 class JailCgroup(Protocol):
@@ -298,99 +482,65 @@ class V2Cgroup:
         _rmdir_when_empty(self.path)
 
 
-def _enable_v2_controllers(parent: Path, required: list[str], optional: list[str]) -> None:
-    """Make controllers available to groups below `parent` (cgroup v2).
-
-    v2 forbids a group with processes from handing controllers to its children, so when the
-    worker itself sits in `parent` it first moves into a leaf of its own (``codeenv-worker-<pid>``).
-    An optional controller (cpu) that cannot be enabled is left out with a warning.
-    """
-    control = parent / "cgroup.subtree_control"
-    wanted = [c for c in required + optional if c not in control.read_text().split()]
-    if not wanted:
-        return
-    moved = False
-    for controller in wanted:
-        try:
-            try:
-                control.write_text(f"+{controller}")
-            except OSError as exc:
-                if exc.errno != errno.EBUSY or moved:
-                    raise
-                leaf = parent / f"codeenv-worker-{os.getpid()}"
-                leaf.mkdir(exist_ok=True)
-                (leaf / "cgroup.procs").write_text(str(os.getpid()))
-                moved = True
-                control.write_text(f"+{controller}")
-        except OSError as exc:
-            if controller in optional:
-                logger.warning("cgroup v2: cannot enable %s in %s (%s); calls run without it", controller,
-                               control, exc)
-                continue
-            raise SandboxError(
-                f"cannot enable +{controller} in {control} ({exc}); if other processes share the worker's "
-                "cgroup, give the worker a cgroup of its own"
-            ) from exc
-
-
 class CgroupTree:
     """The worker's own subtree of jail cgroups."""
 
-    def __init__(self, version: int, bases: dict[str, Path]) -> None:
+    def __init__(self, version: int, bases: dict[str, Path], layout: CgroupLayout | None = None) -> None:
         self.version = version
         self.bases = bases
+        self.layout = layout
 
     @classmethod
-    def create(cls, root: Path | None = None, tag: str | None = None) -> CgroupTree:
-        root = root or DEFAULT_ROOT
+    def create(cls, root: Path | None = None, tag: str | None = None, *, layout: CgroupLayout | None = None,
+               fs: CgroupFs | None = None) -> CgroupTree:
+        """Detect the hierarchy (or take `layout`), set up the worker's subtree `tag`, reap dead ones.
+
+        Raises SandboxError saying what is missing when jails could not get memory and pids caps.
+        """
+        layout = layout or CgroupLayout.detect(root)
+        fs = fs or CgroupFs()
         tag = tag or f"codeenv-{os.getpid()}"
-        v1_memory, v1_pids = root / "memory", root / "pids"
-        if (v1_memory / "memory.limit_in_bytes").exists() and (v1_pids / "cgroup.procs").exists():
-            bases = {
-                "memory": v1_memory / _own_cgroup("memory").lstrip("/") / tag,
-                "pids": v1_pids / _own_cgroup("pids").lstrip("/") / tag,
-            }
-            if (root / "cpu" / "cpu.cfs_quota_us").exists():
-                bases["cpu"] = root / "cpu" / _own_cgroup("cpu").lstrip("/") / tag
-            version = 1
-        elif (root / "cgroup.controllers").exists():
-            parent = root / _own_cgroup("").lstrip("/")
-            if parent.name.startswith("codeenv-worker-"):
-                parent = parent.parent  # a pool before this one moved the worker into its leaf
-            available = set((parent / "cgroup.controllers").read_text().split())
-            missing = {"memory", "pids"} - available
-            if missing:
-                raise SandboxError(
-                    f"cgroup v2 at {parent} does not delegate the {', '.join(sorted(missing))} "
-                    "controller(s); run the worker where it owns a delegated cgroup subtree "
-                    "(systemd: Delegate=yes; containers: a private cgroup namespace)"
-                )
-            _enable_v2_controllers(parent, ["memory", "pids"], ["cpu"] if "cpu" in available else [])
-            bases = {"unified": parent / tag}
-            version = 2
-        else:
-            raise SandboxError(
-                f"no usable cgroup hierarchy under {root}: need v1 memory+pids or v2 with both controllers"
-            )
-        try:
-            for base in bases.values():
-                base.mkdir(exist_ok=True)
-            if version == 2:
-                enabled = (bases["unified"].parent / "cgroup.subtree_control").read_text().split()
-                (bases["unified"] / "cgroup.subtree_control").write_text(
-                    " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in enabled))
-        except OSError as exc:
-            raise SandboxError(f"cannot create the jail cgroups under {list(bases.values())}: {exc}") from exc
+        bases = cls._create_v1(layout, tag, fs) if layout.version == 1 else cls._create_v2(layout, tag, fs)
         cls._reap_stale(bases)
-        return cls(version, bases)
+        return cls(layout.version, bases, layout)
+
+    @staticmethod
+    def _create_v1(layout: CgroupLayout, tag: str, fs: CgroupFs) -> dict[str, Path]:
+        bases = {name: layout.own_dir(name) / tag for name in REQUIRED_CONTROLLERS}
+        if "cpu" in layout.own and (layout.mount("cpu") / "cpu.cfs_quota_us").exists():
+            bases["cpu"] = layout.own_dir("cpu") / tag
+        for name, base in list(bases.items()):
+            try:
+                fs.mkdir(base)
+            except OSError as exc:
+                if name in OPTIONAL_CONTROLLERS:
+                    logger.warning("cgroup v1: cannot create %s (%s); calls run without a %s cap", base, exc, name)
+                    del bases[name]
+                    continue
+                raise SandboxError(
+                    f"cgroup v1: cannot create {base} in the {name} hierarchy ({exc}); the worker needs its "
+                    f"own {name} cgroup writable ({V1_HINT})") from exc
+        return bases
+
+    @staticmethod
+    def _create_v2(layout: CgroupLayout, tag: str, fs: CgroupFs) -> dict[str, Path]:
+        parent = layout.delegated_dir()
+        enabled = delegate_v2(parent, fs)
+        base = parent / tag
+        try:
+            fs.mkdir(base)
+            fs.write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in enabled))
+        except OSError as exc:
+            raise SandboxError(f"cgroup v2: cannot create the jails' cgroups under {base} ({exc}); the worker "
+                               f"must own its cgroup ({V2_WRITE_HINT})") from exc
+        return {"unified": base}
 
     @staticmethod
     def _reap_stale(bases: dict[str, Path]) -> None:
         """Remove subtrees left by workers that died without cleaning up."""
         for base in bases.values():
             for sibling in base.parent.glob("codeenv-*"):
-                parts = sibling.name.split("-")  # codeenv-<pid>-<n> or codeenv-worker-<pid>
-                pid = parts[2] if len(parts) > 2 and parts[1] == "worker" else parts[1]
+                pid = sibling.name.split("-")[1]  # codeenv-<pid>-<n>; codeenv-supervisor is no subtree
                 if sibling == base or not pid.isdigit() or Path(f"/proc/{pid}").exists():
                     continue
                 for group in [g for g in sibling.iterdir() if g.is_dir()] + [sibling]:

@@ -33,6 +33,7 @@ from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.routing import choose_profile
+from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote_proc import ZygoteDied, ZygoteProcess
 from codeenv.settings import SandboxSettings
@@ -170,7 +171,9 @@ class SlotPool:
         tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
         self._tree = CgroupTree.create(settings.cgroup_root, tag)  # also kills dead workers' jails
         try:
-            _check_uids_free(settings.uid_base, settings.slots)
+            plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
+            slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
+            _check_uids_free(settings.uid_base, slots)
         except SandboxError:
             self._tree.remove()
             self._tree = None
@@ -184,7 +187,7 @@ class SlotPool:
         os.chmod(zygote_dir / "zygote.py", 0o644)
         _check_traversable(self.image.root)
         _check_traversable(zygote_dir)
-        for i in range(settings.slots):
+        for i in range(slots):
             zygotes = {
                 profile.name: ZygoteProcess(
                     settings, self.image, profile, settings.uid_base + i,
@@ -202,10 +205,22 @@ class SlotPool:
             raise
         for slot in self.slots:
             self._free.release(slot)
+        self._check_measured_memory(plan)
         self._open = True
         self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
         logger.info("slot pool ready: %d slots x %d profiles, image %s (%s)", len(self.slots),
                     len(self.image.spec.profiles), self.image.name, self.image.short_hash)
+
+    def _check_measured_memory(self, plan: SlotPlan) -> None:
+        """Warn if the zygotes turned out heavier than estimated and the slots no longer fit."""
+        measured_mb = max(sum(z.baseline_memory for z in s.zygotes.values()) for s in self.slots) >> 20
+        if measured_mb <= plan.zygote_mb:
+            return
+        actual = SlotPlan(len(self.slots), len(self.slots), measured_mb, plan.call_mb, plan.allowance)
+        if actual.needed_mb > actual.allowance.limit_mb:
+            logger.warning("memory: a slot's zygotes take %d MB, not the %d MB estimated: %s exceeds %s; set "
+                           "CODEENV_ZYGOTE_MEMORY_MB=%d, and the pool starts only the slots that fit",
+                           measured_mb, plan.zygote_mb, actual.arithmetic, actual.room, measured_mb)
 
     async def close(self) -> None:
         self._open = False

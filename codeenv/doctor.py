@@ -1,0 +1,353 @@
+"""``codeenv doctor``: what this host offers a worker, and what is missing.
+
+Each check ends ``ok``, ``warn`` (the worker runs, on a weaker host) or ``fail`` (the worker would
+refuse to start, or run jails without a protection). The checks call what the worker calls at
+start (the cgroup layout and its delegation rules, the slot sizing, the uid range check), so the
+doctor and the worker agree; they change nothing on the host (probe cgroups are removed at once,
+and on cgroup v2 the doctor reports the processes the worker would move instead of moving them).
+The doctor judges the cgroup it runs in: run it where the worker runs (inside its container, or
+with ``systemd-run -p Delegate=yes`` like its unit).
+
+Usage::
+
+    checks = run_checks(SandboxSettings())
+    print(to_json(checks)) if machine else render(checks, Console())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from codeenv.errors import CodeenvError, SandboxError
+from codeenv.sandbox.cgroups import (
+    OPTIONAL_CONTROLLERS,
+    REQUIRED_CONTROLLERS,
+    SUPERVISOR_LEAF,
+    V2_WRITE_HINT,
+    CgroupLayout,
+    require_v2_controllers,
+)
+from codeenv.sandbox.image import ImageSpec, current_image, find_spec, spec_digest
+from codeenv.sandbox.pool import _check_traversable, _check_uids_free, nsjail_binary
+from codeenv.sandbox.sizing import SlotPlan, cgroup_memory_limit, host_memory_mb, memory_allowance, plan_slots
+from codeenv.settings import SandboxSettings
+
+#: The namespaces every jail is made of (jail.py sets each clone_new* flag).
+NAMESPACES = {
+    "user": os.CLONE_NEWUSER, "pid": os.CLONE_NEWPID, "net": os.CLONE_NEWNET, "mount": os.CLONE_NEWNS,
+    "uts": os.CLONE_NEWUTS, "ipc": os.CLONE_NEWIPC, "cgroup": os.CLONE_NEWCGROUP,
+}
+PROBE_TIMEOUT_S = 20
+#: Installs an allow-everything seccomp filter, as nsjail does with its policy (PR_SET_NO_NEW_PRIVS
+#: 38, PR_SET_SECCOMP 22, SECCOMP_MODE_FILTER 2; one BPF_RET|BPF_K instruction: SECCOMP_RET_ALLOW).
+SECCOMP_PROBE = """
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+insn = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0x7FFF0000))
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(1, ctypes.addressof(insn))
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(prog), 0, 0):
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+"""
+
+
+class Level(StrEnum):
+    ok = "ok"
+    warn = "warn"
+    fail = "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: Level
+    detail: str
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    sizing: SlotPlan | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != Level.fail for c in self.checks)
+
+    def add(self, name: str, status: Level, detail: str) -> None:
+        self.checks.append(Check(name, status, detail))
+
+
+def _probe(code: str) -> str | None:
+    """Run `code` in a fresh interpreter (never fork this one: it may have threads); its error or None."""
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def check_process(report: Report) -> None:
+    report.add("root", Level.ok if os.geteuid() == 0 else Level.fail,
+               "running as root" if os.geteuid() == 0 else
+               "not root: jails need root (namespaces, cgroups, mapping slot uids)")
+    version = ".".join(map(str, sys.version_info[:3]))
+    report.add("python", Level.ok if sys.version_info >= (3, 12) else Level.fail, f"{version} ({sys.executable})")
+
+
+def check_namespaces(report: Report) -> None:
+    max_userns = (_read(Path("/proc/sys/user/max_user_namespaces")) or "?").strip()
+    for name, flag in NAMESPACES.items():
+        error = _probe(f"import os; os.unshare({flag})")
+        note = f"; user.max_user_namespaces = {max_userns}" if name == "user" else ""
+        if error is None:
+            report.add(f"namespace {name}", Level.ok, f"can be created{note}")
+        else:
+            report.add(f"namespace {name}", Level.fail, f"cannot be created: {error}{note}")
+
+
+def _probe_dir(directory: Path) -> str | None:
+    """Whether a group can be made in `directory`: made and removed at once; the error or None."""
+    probe = directory / f"codeenv-doctor-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def check_cgroups(report: Report, root: Path | None) -> CgroupLayout | None:
+    try:
+        layout = CgroupLayout.detect(root)
+    except (SandboxError, OSError) as exc:
+        report.add("cgroup", Level.fail, str(exc))
+        return None
+    if layout.version == 1:
+        report.add("cgroup", Level.ok, f"v1 at {layout.root}")
+        for name in (*REQUIRED_CONTROLLERS, *OPTIONAL_CONTROLLERS):
+            if name not in layout.own or not (layout.mount(name) / "cgroup.procs").exists():
+                report.add(f"cgroup {name}", Level.warn, "not mounted: calls run without a CPU cap")
+                continue
+            own = layout.own_dir(name)
+            error = _probe_dir(own)
+            if error is None:
+                report.add(f"cgroup {name}", Level.ok, f"{own} is writable")
+            else:
+                report.add(f"cgroup {name}", Level.fail if name in REQUIRED_CONTROLLERS else Level.warn,
+                           f"cannot create a group in {own}: {error}")
+        return layout
+    own = layout.delegated_dir()
+    available = (_read(own / "cgroup.controllers") or "").split()
+    enabled = (_read(own / "cgroup.subtree_control") or "").split()
+    try:
+        require_v2_controllers(own, available)
+    except SandboxError as exc:
+        report.add("cgroup", Level.fail, str(exc))
+        return layout
+    wanted = [c for c in (*REQUIRED_CONTROLLERS, *OPTIONAL_CONTROLLERS) if c in available]
+    missing = [c for c in wanted if c not in enabled]
+    procs = (_read(own / "cgroup.procs") or "").split()
+    if not missing:
+        plan = f"{' '.join(wanted)} enabled for its subtree already"
+    elif procs:
+        plan = (f"the worker will move the {len(procs)} process(es) of {own} into {SUPERVISOR_LEAF}, then "
+                f"enable {' '.join('+' + c for c in missing)}")
+    else:
+        plan = f"the worker will enable {' '.join('+' + c for c in missing)}"
+    if missing and not os.access(own / "cgroup.subtree_control", os.W_OK):
+        report.add("cgroup", Level.fail, f"v2 at {own}: cgroup.subtree_control is not writable ({V2_WRITE_HINT})")
+        return layout
+    error = _probe_dir(own)
+    if error is not None:
+        report.add("cgroup", Level.fail, f"v2 at {own}: cannot create a group there ({error}; {V2_WRITE_HINT})")
+        return layout
+    report.add("cgroup", Level.ok, f"v2 at {own}, offering {' '.join(available)}; {plan}")
+    if "cpu" not in available:
+        report.add("cgroup cpu", Level.warn, "the cpu controller is not delegated: calls run without a CPU cap")
+    return layout
+
+
+def check_memory(report: Report, settings: SandboxSettings, layout: CgroupLayout | None,
+                 spec: ImageSpec | None) -> None:
+    try:
+        limit = cgroup_memory_limit(layout) if layout is not None else None
+        host_mb = host_memory_mb()
+        allowance = memory_allowance(layout)
+    except (OSError, ValueError, SandboxError) as exc:
+        report.add("memory limit", Level.fail, f"cannot read: {exc}")
+        return
+    where = f"{limit[0] >> 20} MB on {limit[1]}" if limit is not None else "none on the worker's cgroup"
+    report.add("memory limit", Level.ok, f"{where}; the host has {host_mb} MB")
+    if spec is None:
+        return
+    plan = plan_slots(settings, spec, allowance)
+    report.sizing = plan
+    status = Level.fail if not plan.slots else Level.ok if plan.slots == plan.wanted and not plan.over_host_memory \
+        else Level.warn
+    report.add("slot sizing", status, plan.describe())
+
+
+def check_swap(report: Report, layout: CgroupLayout | None) -> None:
+    swaps = (_read(Path("/proc/swaps")) or "").splitlines()[1:]
+    if not swaps:
+        report.add("swap", Level.ok, "off")
+        return
+    accounted = False
+    if layout is not None and layout.version == 1:
+        accounted = (layout.own_dir("memory") / "memory.memsw.limit_in_bytes").exists()
+    elif layout is not None:
+        accounted = any(layout.root.glob("*/memory.swap.max"))
+    if accounted:
+        report.add("swap", Level.ok, f"on ({len(swaps)} device(s)), accounted: jails get none")
+    else:
+        report.add("swap", Level.warn, f"on ({len(swaps)} device(s)) and not accounted by the memory cgroup: a call "
+                                       "can swap past its memory limit (turn swap off, or boot with swapaccount=1)")
+
+
+def check_seccomp(report: Report) -> None:
+    status = _read(Path("/proc/self/status")) or ""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "Seccomp" not in fields:
+        report.add("seccomp", Level.fail, "this kernel has no seccomp (CONFIG_SECCOMP): jails need it")
+        return
+    error = _probe(SECCOMP_PROBE)
+    mode = fields["Seccomp"].strip()
+    note = " (this process runs under a seccomp filter already, e.g. a container's profile)" if mode == "2" else ""
+    if error is None:
+        report.add("seccomp", Level.ok, f"filters can be installed{note}")
+    else:
+        report.add("seccomp", Level.fail, f"cannot install a filter: {error}{note}")
+
+
+def check_bpf(report: Report) -> None:
+    value = (_read(Path("/proc/sys/kernel/unprivileged_bpf_disabled")) or "").strip()
+    if value == "0":
+        report.add("unprivileged bpf", Level.warn, "enabled: jails' seccomp refuses bpf(), but the host is more "
+                                                   "exposed (sysctl kernel.unprivileged_bpf_disabled=1)")
+    else:
+        report.add("unprivileged bpf", Level.ok, f"disabled ({value})" if value else "not available")
+
+
+def check_uids(report: Report, settings: SandboxSettings, slots: int) -> None:
+    last = settings.uid_base + slots - 1
+    try:
+        _check_uids_free(settings.uid_base, slots)
+    except SandboxError as exc:
+        report.add("slot uids", Level.fail, str(exc))
+        return
+    report.add("slot uids", Level.ok, f"{settings.uid_base}..{last} unused (CODEENV_UID_BASE)")
+
+
+def _tail(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip() and "no version information available" not in line]
+    return lines[-1] if lines else ""
+
+
+def check_nsjail(report: Report, settings: SandboxSettings) -> None:
+    try:
+        binary = nsjail_binary(settings)
+        done = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (CodeenvError, OSError, subprocess.SubprocessError) as exc:
+        report.add("nsjail", Level.fail, str(exc))
+        return
+    if done.returncode != 0 or "Usage" not in done.stdout + done.stderr:
+        report.add("nsjail", Level.fail, f"{binary} does not run: {_tail(done.stderr) or done.returncode}")
+        return
+    true = shutil.which("true") or "/bin/true"
+    try:
+        jail = subprocess.run([str(binary), "-Mo", "-Q", "--chroot", "/", "--time_limit", "10", "--", true],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        report.add("nsjail", Level.fail, f"{binary} cannot run a jail: {exc}")
+        return
+    if jail.returncode != 0:
+        report.add("nsjail", Level.fail, f"{binary} cannot run a jail: {_tail(jail.stderr) or jail.returncode}")
+        return
+    report.add("nsjail", Level.ok, f"{binary} runs a jail")
+
+
+def check_image(report: Report, settings: SandboxSettings) -> ImageSpec | None:
+    try:
+        spec, raw = find_spec(settings.image)
+        image = current_image(settings.images_dir, spec.name, spec_digest(raw))
+    except CodeenvError as exc:
+        report.add("sandbox image", Level.fail, str(exc))
+        return None
+    if image is None:
+        report.add("sandbox image", Level.warn, f"{spec.name} is not built (or its declaration changed): the worker "
+                                                f"builds it at start, or run `codeenv image build {settings.image}`")
+        return spec
+    try:
+        _check_traversable(image.root)
+    except SandboxError as exc:
+        report.add("sandbox image", Level.fail, str(exc))
+        return spec
+    report.add("sandbox image", Level.ok, f"{image.name} {image.short_hash} at {image.path}")
+    return spec
+
+
+def run_checks(settings: SandboxSettings) -> Report:
+    """Every check, in the order a reader wants them."""
+    report = Report()
+    check_process(report)
+    check_namespaces(report)
+    check_seccomp(report)
+    check_nsjail(report, settings)
+    layout = check_cgroups(report, settings.cgroup_root)
+    spec = check_image(report, settings)
+    check_memory(report, settings, layout, spec)
+    check_swap(report, layout)
+    check_uids(report, settings, settings.slots)
+    check_bpf(report)
+    return report
+
+
+def to_json(report: Report) -> str:
+    out: dict[str, Any] = {"ok": report.ok, "checks": [asdict(c) for c in report.checks], "sizing": None}
+    if report.sizing is not None:
+        plan = report.sizing
+        out["sizing"] = {"wanted_slots": plan.wanted, "slots": plan.slots, "zygote_mb": plan.zygote_mb,
+                         "call_mb": plan.call_mb, "allowed_mb": plan.allowance.limit_mb,
+                         "allowed_by": plan.allowance.source}
+    return json.dumps(out, indent=2, ensure_ascii=False)
+
+
+STYLES = {Level.ok: "green", Level.warn: "yellow", Level.fail: "bold red"}
+
+
+def render(report: Report, console: Console) -> None:
+    table = Table(title="codeenv doctor", title_justify="left")
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for check in report.checks:
+        table.add_row(escape(check.name), f"[{STYLES[check.status]}]{check.status}[/]", escape(check.detail))
+    console.print(table)
+    failed = [c.name for c in report.checks if c.status == Level.fail]
+    console.print(f"[bold red]missing:[/] {', '.join(failed)}" if failed else "[green]this host can run a worker[/]")
