@@ -207,6 +207,7 @@ class ExecResult(BaseModel):
     worker: str = ""
     profile: str | None = None
     image: str | None = None
+    python: str | None = Field(None, description="the interpreter's version in the image that ran the call")
     files: dict[str, str] | None = Field(None, description="fetched files: path -> base64 content")
     file_errors: dict[str, str] | None = Field(None, description="files that could not be fetched: path -> why")
     message: str | None = None

@@ -79,6 +79,7 @@ async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path)
                                        "print(os.environ['TINY'], os.environ['PYTHONHASHSEED'], sys.version_info[:2])"))
         assert r.status == "ok" and r.stdout == "yes 7 (3, 12)\n"
         assert r.profile == "only" and tiny.image is not None and r.image == tiny.image.short_hash
+        assert r.python == tiny.image.python_version and r.python.startswith("3.")
         r = await tiny.run(ExecRequest(code="import sympy"))
         assert r.status == "error" and r.error is not None and r.error.type == "ModuleNotFoundError"
     assert any("byte-compiling" in m for m in messages) and any(m.startswith("built") for m in messages)

@@ -132,10 +132,10 @@ def stdin_calls() -> list[tuple[Template, Callable[[random.Random], str]]]:
 def slow_calls() -> list[Template]:
     """The tail: calls that take over a second of CPU here."""
     return [
-        lambda r: (f"N = {r.randint(150, 170) * 10**5}\nsieve = bytearray([1]) * (N + 1)\nsieve[0] = sieve[1] = 0\n"
+        lambda r: (f"N = {r.randint(120, 140) * 10**5}\nsieve = bytearray([1]) * (N + 1)\nsieve[0] = sieve[1] = 0\n"
                    "for i in range(2, int(N**0.5) + 1):\n    if sieve[i]:\n        sieve[i*i::i] = bytearray(len(range(i*i, N + 1, i)))\n"
                    "total = 0\nfor i in range(N + 1):\n    if sieve[i]:\n        total += i\nprint(total)"),
-        lambda r: (f"from math import isqrt\nN = {r.randint(2400, 2600)}\ncount = 0\nfor a in range(1, N):\n"
+        lambda r: (f"from math import isqrt\nN = {r.randint(2200, 2400)}\ncount = 0\nfor a in range(1, N):\n"
                    "    for b in range(a, N):\n        c2 = a * a + b * b\n        c = isqrt(c2)\n"
                    "        if c * c == c2 and c < N:\n            count += 1\nprint(count)"),
     ]

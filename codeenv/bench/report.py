@@ -140,12 +140,14 @@ def ratios(target: dict[str, Any], other: dict[str, Any]) -> dict[str, float | N
     return out
 
 
-def throughput_series(records: list[Record], bin_s: float = 1.0) -> tuple[list[float], list[float]]:
-    """Answered calls per second over time, from the round's start."""
+def throughput_series(records: list[Record], bin_s: float | None = None) -> tuple[list[float], list[float]]:
+    """Answered calls per second over time, from the round's start, in bins of `bin_s` (default:
+    about 40 bins a round, at least a second each)."""
     if not records:
         return [], []
     start = min(r[3] for r in records)
     done = np.asarray([r[6] - start for r in records])
+    bin_s = bin_s or max(1.0, round(float(done.max()) / 40))
     bins = np.arange(0, float(done.max()) + bin_s, bin_s)
     counts, _ = np.histogram(done, bins=bins)
     return [float(b) for b in bins[:-1]], [float(c) / bin_s for c in counts]

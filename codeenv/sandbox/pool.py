@@ -374,6 +374,7 @@ class SlotPool:
         result.worker = slot.worker if slot else self.worker
         result.profile = profile.name
         result.image = self.image.short_hash
+        result.python = self.image.python_version
         self.stats[result.status.value] += 1
         if result.started:
             self.calls_started += 1
