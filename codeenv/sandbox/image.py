@@ -257,20 +257,29 @@ def _shared_deps(paths: list[Path]) -> set[str]:
 
 
 def _copy_host_file(host_path: str, root: Path) -> None:
-    """Copy a host file into the image at the same absolute path, following symlink chains."""
-    path = Path(host_path)
-    while True:
-        target = root / path.relative_to("/")
-        if target.exists() or target.is_symlink():
-            return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_symlink():
-            link = os.readlink(path)
-            target.symlink_to(link)
-            path = (path.parent / link).resolve() if not os.path.isabs(link) else Path(link)
-            continue
-        shutil.copy2(path, target)
+    """Copy a host file into the image at the same absolute path, following symlink chains.
+
+    On merged-/usr hosts a path may go through a symlinked directory (``/lib64 -> usr/lib64``)
+    whose relative links only resolve from the real directory (trixie's
+    ``/usr/lib64/ld-linux-x86-64.so.2 -> ../lib/...``), so each file goes to its real directory and
+    the path asked for, where it differs, becomes an absolute link to it."""
+    asked = Path(host_path)
+    path = Path(os.path.realpath(asked.parent)) / asked.name
+    if path != asked:
+        alias = root / asked.relative_to("/")
+        if not (alias.exists() or alias.is_symlink()):
+            alias.parent.mkdir(parents=True, exist_ok=True)
+            alias.symlink_to(path)
+    target = root / path.relative_to("/")
+    if target.exists() or target.is_symlink():
         return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        link = os.readlink(path)
+        target.symlink_to(link)
+        _copy_host_file(link if os.path.isabs(link) else os.path.normpath(path.parent / link), root)
+    else:
+        shutil.copy2(path, target)
 
 
 def _write_etc(root: Path, spec: ImageSpec) -> None:
@@ -345,9 +354,15 @@ def build_image(
         shutil.copy2(os.path.realpath(facts["executable"]), exe)
         for alias in ("python3", "python"):
             (root / PREFIX / "bin" / alias).symlink_to(exe.name)
-        if facts["shared"] not in ("0", "") and facts["soname"]:
-            shutil.copy2(Path(facts["libdir"]) / facts["soname"], lib / facts["soname"])
+        libpython = Path(facts["libdir"]) / facts["soname"] if facts["soname"] else None
+        # Debian's python3 reports a shared libpython but its executable has it built in (the .so
+        # comes with the separate libpython3.X package): copy it only where there is one.
+        if facts["shared"] not in ("0", "") and libpython is not None and libpython.is_file():
+            shutil.copy2(libpython, lib / facts["soname"])
         site.mkdir(exist_ok=True)
+        if "dist-packages" in (stdlib / "site.py").read_text(encoding="utf-8", errors="replace"):
+            # Debian's site.py looks in dist-packages instead of site-packages.
+            (stdlib / "dist-packages").symlink_to("site-packages")
 
         if spec.packages:
             say(f"installing {len(spec.packages)} packages: {' '.join(spec.packages)}")
