@@ -65,8 +65,10 @@ def basics(url: str) -> None:
             {"code": "print(sum(range(10)))"},
         ])
         jail_python = str(version["stdout"]).strip()
-        check(version["status"] == "ok" and re.fullmatch(r"3\.(1[2-9]|[2-9]\d)\.\d+", jail_python) is not None,
-              f"a batch through the gateway; the jail runs Python {jail_python} (image {version['image']})", version)
+        check(version["status"] == "ok" and re.fullmatch(r"3\.(1[2-9]|[2-9]\d)\.\d+", jail_python) is not None
+              and version.get("python") == jail_python,
+              f"a batch through the gateway; the jail runs Python {jail_python}, as the result says "
+              f"(image {version['image']})", version)
         check(net["status"] == "error" and (net["error"] or {}).get("type") in NETWORK_ERRORS,  # type: ignore[union-attr]
               f"no network from a jail ({(net['error'] or {}).get('type')})", net)  # type: ignore[union-attr]
         check(redis_["status"] == "error" and (redis_["error"] or {}).get("type") in NETWORK_ERRORS,  # type: ignore[union-attr]
