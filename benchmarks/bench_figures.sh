@@ -14,6 +14,9 @@ SAT="--mode concurrency --concurrency 16 --calls 400 --rounds 2"
 bench math-embedded --target codeenv --compare naive --workload math $SAT --limit
 bench math-redis --target codeenv-redis --compare naive --workload math $SAT --limit
 bench print --target codeenv --compare naive --workload print --mode concurrency --concurrency 32 --calls 2000 --rounds 2
+# The same through codeenv's own client, which batches the calls in flight (both targets).
+bench print-client --target codeenv --compare naive --api codeenv-client --workload print --mode concurrency \
+    --concurrency 64 --calls 2000 --rounds 2
 # Overhead per call at 80% of the saturated throughput just measured (open loop, Poisson arrivals).
 for w in math print; do
     rate=$(.venv/bin/python -c "print(round(0.8 * $(saturated $( [ $w = math ] && echo math-embedded || echo print)), 2))")

@@ -192,7 +192,8 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
 def bench(
     target: Annotated[str | None, typer.Option(help="URL of the service, or codeenv, codeenv-redis, naive, "
                                                     "naive-jail to have the bench start one on 127.0.0.1")] = None,
-    api: Annotated[str, typer.Option(help="codeenv, code-judge or sandbox-fusion")] = "codeenv",
+    api: Annotated[str, typer.Option(help="codeenv, codeenv-client (codeenv's batching client), code-judge "
+                                          "or sandbox-fusion")] = "codeenv",
     compare: Annotated[str | None, typer.Option(help="a second target, run in alternation with the first")] = None,
     compare_api: Annotated[str | None, typer.Option(help="the second target's API [default: --api]")] = None,
     workload: Annotated[str, typer.Option(help="JSONL file of {code, stdin, timeout}, or math, print, sympy")] = "math",

@@ -1,6 +1,7 @@
 """How a bench speaks to a target: codeenv's API, code-judge's or SandboxFusion's.
 
-Each API sends one call per HTTP request, the way its usual clients do, and turns the answer into
+Each API sends one call per HTTP request, the way its usual clients do (``codeenv-client`` goes
+through codeenv's own client library instead, which batches the calls in flight), and turns the answer into
 an `Outcome`: how the call ended (the same words for every API), its stdout, and the queue wait
 and run time where the API reports them (codeenv reports both; code-judge and SandboxFusion only
 the run time, so their overhead figure includes queueing).
@@ -15,7 +16,7 @@ import httpx
 
 from codeenv.bench.workload import Call
 
-APIS = ("codeenv", "code-judge", "sandbox-fusion")
+APIS = ("codeenv", "codeenv-client", "code-judge", "sandbox-fusion")
 
 
 class TargetError(RuntimeError):
@@ -39,6 +40,12 @@ class Api:
     name: str
     ping_path: str
     call_path: str
+
+    async def start(self, url: str) -> None:
+        """Set up what the API's calls need beyond the bench's HTTP client (nothing, mostly)."""
+
+    async def stop(self) -> None:
+        pass
 
     def body(self, call: Call) -> dict[str, Any]:
         raise NotImplementedError
@@ -97,6 +104,35 @@ class CodeenvApi(Api):
                        float(data.get("wall_s", 0.0)))
 
 
+class CodeenvClientApi(CodeenvApi):
+    """codeenv through its own client library (`codeenv.client.AsyncClient`), which coalesces the
+    calls in flight into streamed batches: what a trainer that uses the client sends."""
+
+    name = "codeenv-client"
+
+    def __init__(self) -> None:
+        self._client: Any = None
+
+    async def start(self, url: str) -> None:
+        from codeenv.client import AsyncClient
+
+        self._client = AsyncClient(url, retries=0)
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
+        from codeenv.client import ClientError
+
+        try:
+            result = await self._client.run(call.code, stdin=call.stdin,
+                                            limits={"wall_s": call.timeout} if call.timeout is not None else None)
+        except ClientError as exc:
+            return Outcome("http_error", error=f"{type(exc).__name__}: {exc}"[:200])
+        return Outcome(result.status.value, result.stdout, result.queue_s, result.wall_s)
+
+
 class CodeJudgeApi(Api):
     """code-judge's ``POST /run`` (its result says only success, run_success, cost and reason)."""
 
@@ -140,7 +176,8 @@ class SandboxFusionApi(Api):
 
 
 def api(name: str) -> Api:
-    apis: dict[str, type[Api]] = {"codeenv": CodeenvApi, "code-judge": CodeJudgeApi, "sandbox-fusion": SandboxFusionApi}
+    apis: dict[str, type[Api]] = {"codeenv": CodeenvApi, "codeenv-client": CodeenvClientApi,
+                                  "code-judge": CodeJudgeApi, "sandbox-fusion": SandboxFusionApi}
     if name not in apis:
         raise TargetError(f"unknown API {name!r}; choose from {', '.join(APIS)}")
     return apis[name]()

@@ -72,8 +72,13 @@ def _limit(opts: Options, calls: list[Call], console: Console) -> LimitReport:
 
 def _check(url: str, api_name: str) -> None:
     async def go() -> None:
+        speaker = api(api_name)
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            await api(api_name).check(client)
+            await speaker.start(url)
+            try:
+                await speaker.check(client)
+            finally:
+                await speaker.stop()
     asyncio.run(go())
 
 

@@ -93,6 +93,7 @@ async def _generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
             buffer.clear()
 
     async with httpx.AsyncClient(base_url=part.url, timeout=timeout, limits=limits) as client:
+        await speaker.start(part.url)
         flushing = asyncio.create_task(flusher())
         try:
             if part.mode == "grpo":
@@ -120,6 +121,7 @@ async def _generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
         finally:
             flushing.cancel()
             flush()
+            await speaker.stop()
 
 
 async def _grpo(items: list[Item], steps_total: int, barrier: Barrier,
