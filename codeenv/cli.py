@@ -237,6 +237,8 @@ def bench(
         raise _fail("--write-expect needs --limit (the limit run records each call's outcome)")
     if mode == "grpo" and procs > prompts * samples:
         raise _fail(f"--procs {procs} is more than the {prompts * samples} trajectories of a step")
+    if mode == "concurrency" and procs > concurrency:
+        raise _fail(f"--procs {procs} is more than the {concurrency} calls in flight (--concurrency)")
     try:
         scenario = Scenario(mode, prompts, samples, turns, steps, Think.parse(think), concurrency, calls, rate,
                             poisson, seed)
@@ -247,7 +249,7 @@ def bench(
     console = Console()
     try:
         status = run_bench(options, console)
-    except (TargetError, WorkloadError, BenchFailed, CodeenvError) as exc:
+    except (TargetError, WorkloadError, BenchFailed, CodeenvError, OSError) as exc:
         raise _fail(str(exc)) from exc
     except KeyboardInterrupt:
         raise _fail("interrupted") from None

@@ -182,6 +182,51 @@ def other_server(request: pytest.FixtureRequest) -> Iterator[str]:
     httpd.server_close()
 
 
+class _FailsAfterOne(BaseHTTPRequestHandler):
+    """Speaks code-judge well enough for the bench's trial call, then fails every call (HTTP 500)."""
+
+    posts = 0
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(200, b'"pong"')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts += 1
+        if type(self).posts == 1:
+            self._send(200, json.dumps({"success": True, "run_success": True, "stdout": "1\n", "stderr": "",
+                                        "reason": "", "cost": 0.001}).encode())
+        else:
+            self._send(500, b"gone wrong")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path: Path) -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (_FailsAfterOne,), {"posts": 0}))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code, out, report = await bench(tmp_path, "--target", f"http://127.0.0.1:{httpd.server_address[1]}",
+                                        "--api", "code-judge", "--workload", "print", "--mode", "concurrency",
+                                        "--calls", "5", "--concurrency", "2")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 1 and "5 calls were not run by the service" in out and "Traceback" not in out
+    figures = only_target(report or {})
+    assert figures["calls_answered"] == 5 and figures["calls_ran"] == 0 and figures["service_errors"] == 5
+    assert figures["throughput_per_s"] == 0 and figures["correctness"] == {"checked": 0, "mismatches": 0}
+    assert figures["top_errors"][0]["error"].startswith("HTTP 500")
+
+
 @pytest.mark.parametrize(("other_server", "message"), [(404, "does not speak the code-judge API"),
                                                        (503, "answered HTTP 503")], indirect=["other_server"])
 async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_server: str, message: str,
@@ -196,6 +241,10 @@ async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> Non
     cases = [
         (["--target", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--target", "ftp://example"], "give a URL"),
+        (["--target", "http://[::1"], "give a URL"),
+        (["--target", "http://127.0.0.1:99999"], "give a URL"),
+        (["--target", "http://127.0.0.1:1", "--mode", "concurrency", "--concurrency", "2", "--procs", "3"],
+         "more than the 2 calls in flight"),
         (["--target", "http://127.0.0.1:1", "--api", "grpc"], "unknown API"),
         (["--target", "http://127.0.0.1:1", "--think", "soon"], "think gap"),
         (["--target", "http://127.0.0.1:1", "--workload", "no-such-workload"], "no workload file"),

@@ -17,6 +17,8 @@ import httpx
 from codeenv.bench.workload import Call
 
 APIS = ("codeenv", "codeenv-client", "code-judge", "sandbox-fusion")
+#: Outcomes where the service did not run the call: counted as errors, never as answers.
+SERVICE_ERRORS = ("http_error", "internal_error", "overloaded", "rejected")
 
 
 class TargetError(RuntimeError):
@@ -56,7 +58,7 @@ class Api:
     async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
         try:
             response = await client.post(self.call_path, json=self.body(call))
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # a refused connection, a reset, a malformed URL: the call got no answer
             return Outcome("http_error", error=f"{type(exc).__name__}: {exc}"[:200])
         if response.status_code == 504 or response.status_code == 429:
             return Outcome("overloaded", error=_short(response))
@@ -65,8 +67,11 @@ class Api:
         if response.status_code != 200:
             return Outcome("http_error", error=_short(response))
         try:
-            return self.outcome(response.json())
-        except (ValueError, KeyError, TypeError) as exc:
+            data = response.json()
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            return self.outcome(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return Outcome("http_error", error=f"unexpected {self.name} answer ({exc!r}): {response.text[:200]}")
 
     async def check(self, client: httpx.AsyncClient) -> None:
@@ -74,7 +79,7 @@ class Api:
         base = client.base_url
         try:
             ping = await client.get(self.ping_path)
-        except httpx.HTTPError as exc:
+        except Exception as exc:
             raise TargetError(f"cannot reach {base} ({type(exc).__name__}: {exc}); is the service running?") from exc
         if ping.status_code == 404:
             raise TargetError(f"{base} does not speak the {self.name} API: GET {self.ping_path} answered 404; "
@@ -100,8 +105,10 @@ class CodeenvApi(Api):
         return body
 
     def outcome(self, data: Any) -> Outcome:
-        return Outcome(str(data["status"]), data.get("stdout", ""), float(data.get("queue_s", 0.0)),
-                       float(data.get("wall_s", 0.0)))
+        if not isinstance(data.get("status"), str):
+            raise TypeError("no status in the answer")
+        return Outcome(data["status"], str(data.get("stdout") or ""), float(data.get("queue_s") or 0.0),
+                       float(data.get("wall_s") or 0.0))
 
 
 class CodeenvClientApi(CodeenvApi):
@@ -123,12 +130,14 @@ class CodeenvClientApi(CodeenvApi):
             await self._client.aclose()
 
     async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
-        from codeenv.client import ClientError
+        from codeenv.client import RequestRejected
 
         try:
             result = await self._client.run(call.code, stdin=call.stdin,
                                             limits={"wall_s": call.timeout} if call.timeout is not None else None)
-        except ClientError as exc:
+        except RequestRejected as exc:
+            return Outcome("rejected", error=f"{type(exc).__name__}: {exc}"[:200])
+        except Exception as exc:  # ClientError, or a call the client's model refuses before sending
             return Outcome("http_error", error=f"{type(exc).__name__}: {exc}"[:200])
         return Outcome(result.status.value, result.stdout, result.queue_s, result.wall_s)
 
@@ -146,11 +155,13 @@ class CodeJudgeApi(Api):
             status = "timeout"
         elif data.get("reason") == "queue_timeout":
             status = "overloaded"
+        elif data.get("reason") == "invalid_input":
+            status = "rejected"
         elif data.get("reason"):
             status = "internal_error"
         else:
             status = "ok" if data["run_success"] else "error"
-        return Outcome(status, data.get("stdout", ""), None, float(data.get("cost", 0.0)))
+        return Outcome(status, str(data.get("stdout") or ""), None, float(data.get("cost") or 0.0))
 
 
 class SandboxFusionApi(Api):
@@ -166,6 +177,8 @@ class SandboxFusionApi(Api):
 
     def outcome(self, data: Any) -> Outcome:
         run = data.get("run_result") or {}
+        if not isinstance(run, dict):
+            raise TypeError("run_result is not an object")
         if data["status"] == "SandboxError":
             status = "internal_error"
         elif run.get("status") == "TimeLimitExceeded":

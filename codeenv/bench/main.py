@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from codeenv.bench.apis import api
+from codeenv.bench.apis import SERVICE_ERRORS, TargetError, api
 from codeenv.bench.limit import LimitReport, cores, measure_limit
-from codeenv.bench.report import SERVICE_ERRORS, plot, ratios, summarize, warnings
+from codeenv.bench.report import plot, ratios, summarize, warnings
 from codeenv.bench.runner import Part, Record, RoundResult, run_round
 from codeenv.bench.targets import is_local, target
 from codeenv.bench.traffic import Scenario, plan
@@ -56,15 +56,18 @@ def _expected(opts: Options, calls: list[Call]) -> tuple[list[Expected] | None, 
     return (load_expected(path, len(calls)), str(path)) if path else (None, None)
 
 
-def _limit(opts: Options, calls: list[Call], console: Console) -> LimitReport:
+def _limit(opts: Options, calls: list[Call], console: Console, write_expect: bool = True) -> LimitReport:
     with Progress(TextColumn("physical limit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("", total=len(calls))
-        report = measure_limit(calls, progress=lambda n: bar.update(task, completed=n))
+        try:
+            report = measure_limit(calls, progress=lambda n: bar.update(task, completed=n))
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise BenchFailed(f"the physical limit could not be measured: {exc}") from exc
     s = report.summary()
     console.print(f"physical limit of [bold]{opts.workload}[/]: {s['calls']} programs, {s['total_cpu_s']} s of CPU "
                   f"(mean {s['mean_cpu_ms']} ms) on {s['cores']} cores: [bold]{s['limit_calls_per_s']} calls/s[/]")
-    if opts.write_expect:
+    if opts.write_expect and write_expect:
         opts.write_expect.write_text("".join(json.dumps(e) + "\n" for e in report.expectations()))
         console.print(f"expected outputs written to {opts.write_expect}")
     return report
@@ -79,7 +82,12 @@ def _check(url: str, api_name: str) -> None:
                 await speaker.check(client)
             finally:
                 await speaker.stop()
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except TargetError:
+        raise
+    except Exception as exc:
+        raise TargetError(f"cannot use {url} ({type(exc).__name__}: {exc})") from exc
 
 
 def _round(label: str, url: str, api_name: str, opts: Options, items: list[Any], calls: list[Call],
@@ -189,7 +197,7 @@ def run_bench(opts: Options, console: Console) -> int:
     if limits:
         # The machine's speed drifts (shared cores): measure the limit again after the rounds, and
         # compare with the mean of the two.
-        limits.append(_limit(opts, calls, console))
+        limits.append(_limit(opts, calls, console, write_expect=False))
         mean = sum(one.limit_per_s for one in limits) / len(limits)
         report["physical_limit"] = {**limits[0].summary(), "limit_calls_per_s": round(mean, 3),
                                     "measured_before_and_after": [round(one.limit_per_s, 3) for one in limits]}
@@ -227,4 +235,7 @@ def run_bench(opts: Options, console: Console) -> int:
     wrong = sum(report["targets"][label]["correctness"]["mismatches"] for label in labels)
     if wrong:
         console.print(f"[bold red]{wrong} calls were answered with the wrong output or status[/]")
-    return 1 if wrong else 0
+    failed = sum(report["targets"][label]["service_errors"] for label in labels)
+    if failed:
+        console.print(f"[bold red]{failed} calls were not run by the service[/]")
+    return 1 if wrong or failed else 0

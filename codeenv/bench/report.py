@@ -4,6 +4,10 @@ GRPO step makespans and their straggler tail, correctness, and the generator's o
 Overhead per call = latency - queue wait - run time: what the service adds on top of running the
 program and of waiting for a free slot (queueing grows with load by nature, so it is reported on
 its own). APIs that do not report a queue wait (code-judge, SandboxFusion) count it in the overhead.
+In open-loop runs latency counts from each call's scheduled time, but overhead from when the call
+was actually sent, so that a generator running late is not blamed on the service (the send lag is
+reported beside it). Throughput counts the calls the service ran; calls it did not run (an HTTP
+failure, overloaded, rejected) are reported as service errors.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from codeenv.bench.apis import SERVICE_ERRORS
 from codeenv.bench.runner import Record, RoundResult
 
 PERCENTILES = (50, 90, 99)
-SERVICE_ERRORS = ("http_error", "internal_error", "overloaded", "rejected")
 #: A generator process busier than this share of one core may be what limits the figures.
 GENERATOR_BUSY = 0.7
 
@@ -61,7 +65,8 @@ def summarize(result: RoundResult | list[RoundResult], planned: int, mode: str, 
     latency = [r[6] - r[4] for r in records]
     queue = [r[8] for r in records if r[8] is not None]
     run = [r[9] for r in records if r[9] is not None]
-    overhead = [r[6] - r[4] - (r[8] or 0.0) - r[9] for r in records if r[9] is not None and r[7] not in SERVICE_ERRORS]
+    ran = [r for r in records if r[7] not in SERVICE_ERRORS]
+    overhead = [r[6] - r[5] - (r[8] or 0.0) - r[9] for r in ran if r[9] is not None]
     checked = [r for r in records if r[10] >= 0]
     errors = Counter(r[11] for r in records if r[11])
     cpu = [c for one in rounds for c in one.generator_cpu_s]
@@ -70,10 +75,11 @@ def summarize(result: RoundResult | list[RoundResult], planned: int, mode: str, 
     figures: dict[str, Any] = {
         "calls_planned": planned * len(rounds),
         "calls_answered": len(records),
+        "calls_ran": len(ran),
         "statuses": dict(sorted(statuses.items())),
         "service_errors": sum(statuses[s] for s in SERVICE_ERRORS),
         "duration_s": round(duration, 4),
-        "throughput_per_s": round(len(records) / duration, 3) if duration > 0 else 0.0,
+        "throughput_per_s": round(len(ran) / duration, 3) if duration > 0 else 0.0,
         "latency_ms": _ms(latency),
         "queue_wait_ms": _ms(queue),
         "run_time_ms": _ms(run),
@@ -116,8 +122,10 @@ def warnings(figures: dict[str, Any], target_is_local: bool) -> list[str]:
     if lag and lag["p99"] > 50:
         out.append(f"calls left up to {lag['max']:.0f} ms after their scheduled time (p99 {lag['p99']:.0f} ms): "
                    "the generator fell behind the rate; latencies still count from the schedule")
-    if figures["calls_answered"] < figures["calls_planned"]:
-        out.append(f"only {figures['calls_answered']} of {figures['calls_planned']} calls were answered")
+    if figures["service_errors"]:
+        out.append(f"{figures['service_errors']} of {figures['calls_answered']} calls were not run by the service "
+                   "(HTTP failures, overloaded or rejected; see the errors above): throughput counts only the "
+                   f"{figures['calls_ran']} that ran")
     return out
 
 

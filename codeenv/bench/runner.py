@@ -11,17 +11,18 @@ import asyncio
 import multiprocessing as mp
 import queue as queue_mod
 import resource
+import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import httpx
 
-from codeenv.bench.apis import Outcome, api
+from codeenv.bench.apis import SERVICE_ERRORS, Outcome, api
 from codeenv.bench.traffic import Item, split
 from codeenv.bench.workload import Call, Expected
 
@@ -60,6 +61,8 @@ def generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
         cpu0 = time.process_time()
         asyncio.run(_generate(part, barrier, out))
         out.put(("end", time.process_time() - cpu0))
+    except threading.BrokenBarrierError:
+        pass  # the round was called off (another generator failed, or the user stopped it)
     except BaseException:
         out.put(("failed", traceback.format_exc()))
         barrier.abort()
@@ -78,7 +81,9 @@ async def _generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
         sent = time.monotonic()
         result: Outcome = await speaker.call(client, call)
         done = time.monotonic()
-        correct = -1 if part.expected is None else int(part.expected[item[3]].matches(result.status, result.stdout))
+        # A call the service did not run (an HTTP failure, overloaded, rejected) is an error, not a wrong answer.
+        correct = -1 if part.expected is None or result.status in SERVICE_ERRORS else \
+            int(part.expected[item[3]].matches(result.status, result.stdout))
         buffer.append((item[0], item[1], item[2], origin, scheduled, sent, done, result.status, result.queue_s,
                        result.run_s, correct, result.error))
 
@@ -147,11 +152,13 @@ def run_round(part: Part, procs: int, on_records: Callable[[list[Record]], None]
     out: mp.Queue[Any] = ctx.Queue()
     shares = [s for s in split(part.items, procs) if s] or [[]]
     barrier = ctx.Barrier(len(shares))
-    concurrency = max(1, -(-part.concurrency // len(shares)))
+    n = len(shares)
+    # The lanes of a saturation run, dealt out so that exactly `concurrency` calls are in flight.
+    lanes = [part.concurrency // n + (1 if k < part.concurrency % n else 0) for k in range(n)]
     workers = [ctx.Process(target=generate, daemon=True,
-                           args=(Part(part.url, part.api, part.mode, share, part.calls, part.expected, concurrency,
-                                      part.http_timeout_s, part.steps), barrier, out))
-               for share in shares]
+                           args=(Part(part.url, part.api, part.mode, share, part.calls, part.expected,
+                                      max(1, lane), part.http_timeout_s, part.steps), barrier, out))
+               for share, lane in zip(shares, lanes, strict=True)]
     result = RoundResult()
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
@@ -163,22 +170,25 @@ def run_round(part: Part, procs: int, on_records: Callable[[list[Record]], None]
             try:
                 kind, payload = out.get(timeout=0.5)
             except queue_mod.Empty:
-                if dead := [w for w in workers if w.exitcode not in (None, 0)]:
-                    result.failure = f"a generator process died (exit {dead[0].exitcode})"
-                    break
-                continue
+                kind, payload = "", None
             if kind == "records":
                 result.records.extend(payload)
                 on_records(payload)
             elif kind == "end":
                 result.generator_cpu_s.append(payload)
                 ended += 1
-            else:
+            elif kind == "failed":
                 result.failure = payload
                 break
+            if dead := [w for w in workers if w.exitcode not in (None, 0)]:
+                result.failure = f"a generator process died (exit {dead[0].exitcode})"
+                break
     finally:
+        barrier.abort()  # generators waiting for a step that will not come give up
+        deadline = time.monotonic() + 5
         for w in workers:
-            w.join(5)
+            w.join(max(0.0, deadline - time.monotonic()))
+        for w in workers:
             if w.is_alive():
                 w.kill()
                 w.join()
@@ -187,6 +197,3 @@ def run_round(part: Part, procs: int, on_records: Callable[[list[Record]], None]
     result.watcher_cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     return result
 
-
-def latencies_ms(records: Iterator[Record] | list[Record]) -> list[float]:
-    return [1000 * (r[6] - r[4]) for r in records]

@@ -27,8 +27,10 @@ from codeenv.bench.apis import TargetError
 from codeenv.settings import SandboxSettings
 
 SPAWNABLE = ("codeenv", "codeenv-redis", "naive", "naive-jail")
-#: Each spawned target's slots run on host uids of their own (offsets from the default uid_base).
-UID_OFFSETS = {"codeenv": 400, "codeenv-redis": 420, "naive-jail": 440, "naive": 460}
+#: Each spawned target's slots run on host uids of their own: blocks of 1024 (the most slots a pool
+#: has) above the default uid_base, clear of the ranges the test suite and the benchmarks use.
+UID_OFFSETS = {"codeenv": 1 << 16, "codeenv-redis": (1 << 16) + 1024, "naive-jail": (1 << 16) + 2048,
+               "naive": (1 << 16) + 3072}
 
 
 def free_port() -> int:
@@ -69,8 +71,12 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
 def target(spec: str, slots: int | None = None) -> Iterator[str]:
     """The URL of `spec`: as given, or of a service started for the duration of the block."""
     if spec not in SPAWNABLE:
-        parts = urlsplit(spec)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(spec)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a bad port or bracket
+            valid = False
+        if not valid:
             raise TargetError(f"target {spec!r}: give a URL (http://127.0.0.1:8000) or one of "
                               f"{', '.join(SPAWNABLE)} to have the bench start it")
         yield spec.rstrip("/")
