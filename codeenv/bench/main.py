@@ -149,7 +149,7 @@ def _table(title: str, labels: list[str], targets: dict[str, dict[str, Any]]) ->
 
 
 def run_bench(opts: Options, console: Console) -> int:
-    """Run what `opts` asks for; the exit status (1 if a call was answered wrongly)."""
+    """Run what `opts` asks for; the exit status (1 if a call was answered wrongly or not run)."""
     calls = load_workload(opts.workload)
     expected, expect_source = _expected(opts, calls)
     report: dict[str, Any] = {
