@@ -4,6 +4,7 @@ and the shipped workload's composition and outputs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -75,6 +76,7 @@ async def test_grpo_scenario_through_each_api(server: str, tmp_path: Path, api: 
                                     "--think", "0-0.2")
     assert code == 0, out
     assert report is not None and (tmp_path / (sorted(tmp_path.glob("bench-*.json"))[-1].stem + ".png")).exists()
+    assert report["workload"]["expectations"] == "shipped: sympy.expect.jsonl"
     calls = report["scenario"]["calls"]
     assert calls == len(plan(Scenario(prompts=2, samples=3, turns=3, steps=2, think=Think.parse("0-0.2")), 1))
     figures = only_target(report)
@@ -171,15 +173,22 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A plain HTTP server (not codeenv) on 127.0.0.1, in a thread, for the length of the block."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.fixture
 def other_server(request: pytest.FixtureRequest) -> Iterator[str]:
-    handler = type("Handler", (_Handler,), {"status": request.param})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(type("Handler", (_Handler,), {"status": request.param})) as url:
+        yield url
 
 
 class _FailsAfterOne(BaseHTTPRequestHandler):
@@ -210,16 +219,9 @@ class _FailsAfterOne(BaseHTTPRequestHandler):
 
 
 async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path: Path) -> None:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (_FailsAfterOne,), {"posts": 0}))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        code, out, report = await bench(tmp_path, "--target", f"http://127.0.0.1:{httpd.server_address[1]}",
-                                        "--api", "code-judge", "--workload", "print", "--mode", "concurrency",
-                                        "--calls", "5", "--concurrency", "2")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_server(type("H", (_FailsAfterOne,), {"posts": 0})) as url:
+        code, out, report = await bench(tmp_path, "--target", url, "--api", "code-judge", "--workload", "print",
+                                        "--mode", "concurrency", "--calls", "5", "--concurrency", "2")
     assert code == 1 and "5 calls were not run by the service" in out and "Traceback" not in out
     figures = only_target(report or {})
     assert figures["calls_answered"] == 5 and figures["calls_ran"] == 0 and figures["service_errors"] == 5

@@ -56,9 +56,8 @@ def _steps(records: list[Record]) -> list[dict[str, float]]:
     return out
 
 
-def summarize(result: RoundResult | list[RoundResult], planned: int, mode: str, cores: int) -> dict[str, Any]:
+def summarize(rounds: list[RoundResult], planned: int, mode: str, cores: int) -> dict[str, Any]:
     """The figures of one target's rounds (records of several rounds are pooled)."""
-    rounds = result if isinstance(result, list) else [result]
     records = [r for one in rounds for r in one.records]
     duration = sum(_span(one.records) for one in rounds)
     statuses = Counter(r[7] for r in records)
