@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 import pytest_asyncio
 from sandbox_fusion import RunCodeRequest, run_code
 
@@ -74,7 +76,7 @@ async def test_sandbox_fusion_as_verl_sends_it(server: str) -> None:
         assert "run_timeout 500s clamped to the server's cap of 120s" in body["message"]
         assert (await c.post("/run_code", json={"code": "print(3)"})).json()["run_result"]["stdout"] == "3\n"
         cpp = (await c.post("/run_code", json={"code": "int main(){}", "language": "cpp"})).json()
-        assert cpp["status"] == "SandboxError" and "only python" in cpp["message"]
+        assert cpp["status"] == "SandboxError" and "only python and pytest run here" in cpp["message"]
         assert (await c.get("/v1/ping")).json() == "pong"
         for bad in ({"code": 1}, {"code": "1", "fetch_files": ["../x"]}, {"code": "1", "files": {"/etc/x": ""}}):
             r = await c.post("/run_code", json=bad)
@@ -98,6 +100,139 @@ async def test_sandbox_fusion_overload_is_504(pool: SlotPool) -> None:
                                                                   "language": "python"}) for _ in range(6)))
     codes = Counter(r.status_code for r in replies)
     assert codes[200] == 3 and codes[504] == 3, codes
+
+
+# --- SandboxFusion's `pytest` language ------------------------------------------------------------
+
+#: What ROLL's KodCode reward puts in front of the model's solution (its SOLUTION_IMPORTS, abridged to
+#: the shape that matters: star imports and a raised recursion limit), then the dataset's tests.
+ROLL_PREFIX = ("from string import *\nfrom re import *\nfrom collections import *\nfrom math import *\n"
+               "from itertools import *\nfrom functools import *\nfrom typing import *\nfrom sys import *\n"
+               "import sys\nimport math\nsys.setrecursionlimit(6*10**5)\nfrom typing import List, Dict, Any\n")
+KODCODE_TESTS = """
+def test_two_sum_found():
+    assert two_sum([2, 7, 11, 15], 9) == [0, 1]
+
+def test_two_sum_later_pair():
+    assert two_sum([3, 2, 4], 6) == [1, 2]
+
+def test_two_sum_none():
+    assert two_sum([1, 2], 7) == []
+"""
+RIGHT = """
+def two_sum(nums, target):
+    seen = {}
+    for i, n in enumerate(nums):
+        if target - n in seen:
+            return [seen[target - n], i]
+        seen[n] = i
+    return []
+"""
+WRONG = """
+def two_sum(nums, target):
+    return [0, 1]
+"""
+
+
+async def pytest_call(server: str, code: str, **fields: Any) -> Any:
+    return await asyncio.to_thread(run_code, RunCodeRequest(language="pytest", code=code, **fields),
+                                   endpoint=server, max_attempts=1)
+
+
+async def test_pytest_runs_the_tests(server: str) -> None:
+    passing = await pytest_call(server, "def test_a():\n    assert 1 + 1 == 2\n\ndef test_b():\n    pass\n")
+    assert (passing.status, passing.run_result.return_code) == ("Success", 0), passing
+    assert "2 passed" in passing.run_result.stdout and passing.files == {}
+    failing = await pytest_call(server, "def test_a():\n    assert 1 + 1 == 3\n")
+    assert (failing.status, failing.run_result.return_code) == ("Failed", 1), failing
+    assert "assert (1 + 1) == 3" in failing.run_result.stdout and "1 failed" in failing.run_result.stdout
+    # The file is named and placed as SandboxFusion names it: tmpXXXXXXXX.py in the work dir.
+    assert re.search(r"\btmp[a-z0-9_]{8}\.py F", failing.run_result.stdout), failing.run_result.stdout
+
+
+async def test_pytest_without_a_passing_test_is_no_success(server: str) -> None:
+    none = await pytest_call(server, "def helper():\n    pass\n")
+    assert (none.status, none.run_result.return_code) == ("Failed", 5), none
+    assert "no tests ran" in none.run_result.stdout
+    syntax = await pytest_call(server, "def test_a(:\n    pass\n")
+    assert syntax.status == "Failed" and syntax.run_result.return_code == 2, syntax
+    assert "SyntaxError" in syntax.run_result.stdout and "ERROR collecting" in syntax.run_result.stdout
+    slow = await pytest_call(server, "import time\n\ndef test_slow():\n    time.sleep(30)\n", run_timeout=2)
+    assert (slow.status, slow.run_result.status, slow.run_result.return_code) == (
+        "Failed", "TimeLimitExceeded", None), slow
+
+
+HOSTILE_PYTEST = {
+    "exit at import": "import os\nos._exit(0)\n\ndef test_a():\n    assert False\n",
+    "fake summary then exit": ("import os, sys\nprint('=== 3 passed in 0.01s ===')\nsys.stdout.flush()\n"
+                               "os._exit(0)\n\ndef test_a():\n    assert False\n"),
+    "sys.exit at import": "import sys\nsys.exit(0)\n\ndef test_a():\n    assert False\n",
+    "deletes its tests": "def test_a():\n    assert False\n\ndef test_b():\n    pass\n\ndel test_a\n",
+    "rewrites a test at import": "def test_a():\n    assert False\n\ndef test_b():\n    pass\n\n"
+                                 "test_a = lambda: None\n",
+    "swaps a test's code while running": (
+        "def test_a():\n    import sys\n    sys.modules[__name__].test_b.__code__ = (lambda: None).__code__\n\n"
+        "def test_b():\n    assert False\n"),
+    "skips the hard case": "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pytest.skip('hard')\n",
+    "marks everything xfail": "import pytest\npytestmark = pytest.mark.xfail\n\ndef test_a():\n    pass\n\n"
+                              "def test_b():\n    assert False\n",
+    "registers a plugin that passes every report": (
+        "import sys, types, pytest\nplug = types.ModuleType('plug')\n\n@pytest.hookimpl(wrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n    report = yield\n    report.outcome = 'passed'\n"
+        "    return report\n\nplug.pytest_runtest_makereport = pytest_runtest_makereport\n"
+        "sys.modules['plug'] = plug\npytest_plugins = ['plug']\n\ndef test_a():\n    assert False\n"),
+    "builds later test classes itself": (
+        "import builtins\n_build = builtins.__build_class__\n\ndef build(func, name, *bases, **kw):\n"
+        "    cls = _build(func, name, *bases, **kw)\n    if name.startswith('Test'):\n"
+        "        cls.__init__ = lambda self: None\n    return cls\n\nbuiltins.__build_class__ = build\n\n"
+        "def test_a():\n    pass\n\nclass TestHard:\n    def test_b(self):\n        assert False\n"),
+    "hides tests in a class with __init__": ("def test_a():\n    pass\n\nclass TestHard:\n    def __init__(self):\n"
+                                             "        pass\n\n    def test_b(self):\n        assert False\n"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_PYTEST)
+async def test_pytest_hostile_files_are_no_success(server: str, name: str) -> None:
+    resp = await pytest_call(server, HOSTILE_PYTEST[name])
+    assert resp.status == "Failed", (name, resp)
+    assert resp.message or resp.run_result.return_code != 0, resp
+
+
+async def test_pytest_kodcode_as_roll_sends_it(server: str) -> None:
+    """ROLL's CodeTester posts prefix + solution + "\n" + tests with language "pytest" and extra keys;
+    it rewards status == "Success" (expected_stdout is "")."""
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        async def roll(solution: str) -> dict[str, Any]:
+            body = {"compile_timeout": 30, "run_timeout": 30, "code": ROLL_PREFIX + solution + "\n" + KODCODE_TESTS,
+                    "language": "pytest", "stdin": "", "expected_stdout": ""}
+            r = await c.post("/run_code", json=body, headers={"Accept": "application/json"})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+        right, wrong = await asyncio.gather(roll(RIGHT), roll(WRONG))
+    assert (right["status"], right["run_result"]["return_code"]) == ("Success", 0), right
+    assert "3 passed" in right["run_result"]["stdout"]
+    assert (wrong["status"], wrong["run_result"]["return_code"]) == ("Failed", 1), wrong
+    assert "2 failed, 1 passed" in wrong["run_result"]["stdout"]
+
+
+async def test_pytest_args_files_and_refusals(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        code = ("from helper import answer\n\ndef test_answer():\n    assert answer() == 42\n\n"
+                "def test_other():\n    pass\n")
+        body = {"code": code, "language": "pytest", "args": ["-k", "answer"],
+                "files": {"helper.py": b64(b"def answer():\n    return 42\n"), "absent.txt": None,
+                          "IGNORE_THIS_FILE.txt": b64(b"x")}}
+        selected = (await c.post("/run_code", json=body)).json()
+        assert selected["status"] == "Success", selected
+        assert "1 passed, 1 deselected" in selected["run_result"]["stdout"]
+        listing = (await c.post("/run_code", json={"code": "import os\nprint(sorted(os.listdir('.')))",
+                                                   "files": {"absent.txt": None, "a.txt": b64(b"a"),
+                                                             "IGNORE_THIS_FILE.txt": b64(b"x")}})).json()
+        assert listing["run_result"]["stdout"] == "['a.txt']\n", listing
+        refused = await c.post("/run_code", json={"code": "print(1)", "language": "python", "args": ["-x"]})
+        assert refused.status_code == 422 and "args are passed to pytest only" in refused.text
+        big = await c.post("/run_code", json={"code": "#" * ((1 << 20) + 1), "language": "pytest"})
+        assert big.status_code == 422 and "the limit is" in big.text
 
 
 # --- code-judge, as rStar2-Agent's tool calls it ------------------------------------------------

@@ -5,21 +5,28 @@ native API refuses a limit above the server's cap, these endpoints clamp it and 
 
 - code-judge (rStar2-Agent's training code): ``POST /run``, ``/run/batch``, ``/run/long-batch``,
   ``/judge``, ``/judge/batch``, ``/judge/long-batch``, ``GET /ping``, ``GET /status``.
-- SandboxFusion (verl's sandbox tool and reward, SkyRL, the ``sandbox-fusion`` package):
-  ``POST /run_code``, ``GET /v1/ping``.
+- SandboxFusion (verl's sandbox tool and reward, SkyRL, ROLL, the ``sandbox-fusion`` package):
+  ``POST /run_code`` (languages ``python`` and ``pytest``), ``GET /v1/ping``.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from enum import Enum
+from functools import cache
+from importlib import resources
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from codeenv.errors import InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status, Text, code_judge_reason
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
@@ -155,7 +162,7 @@ def add_code_judge(app: FastAPI, settings: GatewaySettings, calls: CallQueue, an
 
 
 class RunCodeRequest(BaseModel):
-    """SandboxFusion's /run_code request (unknown fields are ignored)."""
+    """SandboxFusion's /run_code request (unknown fields are ignored, as SandboxFusion ignores them)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -165,15 +172,38 @@ class RunCodeRequest(BaseModel):
     run_timeout: float = 10
     compile_timeout: float = 10
     memory_limit_MB: int = -1
-    files: dict[str, str | None] = Field(default_factory=dict)
+    files: dict[str, str | None] = Field(
+        default_factory=dict, description="path -> base64 content; a null content is not written (as SandboxFusion)")
     fetch_files: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list, description="extra command-line arguments to pytest")
 
 
-PYTHON_LANGUAGES = ("python", "python3", "pytest")
+#: Languages that run as a Python program (SandboxFusion has no "python3"; clients send it anyway).
+PYTHON_LANGUAGES = ("python", "python3")
+PYTEST = "pytest"
+#: SandboxFusion skips input files whose name holds this (its datasets' placeholders).
+IGNORED_FILE_MARK = "IGNORE_THIS_FILE"
+_TMP_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
-def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[ExecRequest, list[str]]:
-    """Our request, with the client's limits clamped to the server's caps (and notes saying so)."""
+@dataclass(frozen=True)
+class PytestRun:
+    """What the gateway needs to judge a `pytest` call: where the driver leaves its tally, and the
+    token that proves the tally is the driver's."""
+
+    tally: str
+    token: str
+
+
+@cache
+def _pytest_driver() -> str:
+    return (resources.files("codeenv.api") / "pytest_driver.py").read_text(encoding="utf-8")
+
+
+def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[ExecRequest, list[str], PytestRun | None]:
+    """Our request, with the client's limits clamped to the server's caps (and notes saying so).
+
+    Raises InvalidRequest for what SandboxFusion would run differently and we cannot."""
     notes: list[str] = []
     caps = settings.caps
     wall = body.run_timeout if body.run_timeout > 0 else settings.defaults.wall_s
@@ -184,34 +214,96 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
     if memory > caps.memory_mb:
         notes.append(f"memory_limit_MB {body.memory_limit_MB} clamped to the server's cap of {caps.memory_mb}")
         memory = caps.memory_mb
+    # As SandboxFusion's restore_files: a file with no content, or a placeholder name, is not written.
+    files = {path: content for path, content in body.files.items()
+             if content is not None and IGNORED_FILE_MARK not in path}
+    fetch_files = list(body.fetch_files)
+    code = body.code
+    pytest_run = None
+    if body.language == PYTEST:
+        if len(code.encode("utf-8", "surrogatepass")) > settings.max_code_bytes:
+            raise InvalidRequest(f"code is {len(code.encode('utf-8', 'surrogatepass'))} bytes; "
+                                 f"the limit is {settings.max_code_bytes}")
+        # As SandboxFusion: the file is a NamedTemporaryFile in the work dir, run as `pytest FILE *args`.
+        name = "tmp" + "".join(secrets.choice(_TMP_NAME_CHARS) for _ in range(8)) + ".py"
+        pytest_run = PytestRun(tally=f".codeenv-pytest-{secrets.token_hex(8)}.json", token=secrets.token_hex(16))
+        try:
+            files[name] = base64.b64encode(code.encode("utf-8")).decode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"code must be valid Unicode text (no lone surrogates): {exc}") from None
+        fetch_files.append(pytest_run.tally)
+        params = {"file": name, "args": body.args, "tally": pytest_run.tally, "token": pytest_run.token}
+        code = f"{_pytest_driver()}\nrun({json.dumps(params)!r})\n"
+    elif body.args:
+        raise InvalidRequest("args are passed to pytest only (language 'pytest'); SandboxFusion ignores them "
+                             f"for {body.language!r}: drop them")
     request = ExecRequest(
-        code=body.code, stdin=body.stdin or "",
+        code=code, stdin=body.stdin or "",
         limits={"wall_s": wall, "memory_mb": memory,
                 "output_bytes": min(settings.sandbox_fusion_output_bytes, caps.output_bytes)},
-        files={path: content or "" for path, content in body.files.items()}, fetch_files=body.fetch_files)
-    return request, notes
+        files=files, fetch_files=fetch_files)
+    return request, notes, pytest_run
 
 
-def _fusion_response(result: ExecResult, notes: list[str], return_bytes: int) -> dict[str, Any]:
+def _pytest_verdict(result: ExecResult, run: PytestRun) -> str | None:
+    """Why a `pytest` call that ran to its end is not a success, or None if it is: every test that
+    pytest collected from the file's source ran and passed, at least one, as pytest's own tally
+    (fetched from outside the program's output) shows."""
+    encoded = (result.files or {}).get(run.tally)
+    try:
+        tally = json.loads(base64.b64decode(encoded)) if encoded is not None else None
+        if not isinstance(tally, dict) or tally.get("token") != run.token:
+            tally = None
+    except ValueError:
+        tally = None
+    if tally is None:
+        return "pytest did not finish: the program ended the process before pytest could report (no tally)"
+    counts = tally.get("counts") or {}
+    if tally.get("missing"):
+        return f"test functions of the file were never collected: {', '.join(map(str, tally['missing']))}"
+    if tally.get("rewritten"):
+        return f"test functions were replaced before or while they ran: {', '.join(map(str, tally['rewritten']))}"
+    if tally.get("plugins"):
+        return f"the file registered pytest plugins: {', '.join(map(str, tally['plugins']))}"
+    bad = {k: counts.get(k, 0) for k in ("failed", "error", "skipped", "xfailed") if counts.get(k, 0)}
+    if bad:
+        return "pytest reported " + ", ".join(f"{n} {k}" for k, n in bad.items())
+    if counts.get("passed", 0) + counts.get("xpassed", 0) < 1:
+        return "pytest ran no test"
+    if tally.get("exit_status") != 0 or result.exit_code != 0:
+        return f"pytest exited with status {result.exit_code}"
+    return None
+
+
+def _fusion_response(result: ExecResult, notes: list[str], return_bytes: int,
+                     pytest_run: PytestRun | None = None) -> dict[str, Any]:
     run_status = "TimeLimitExceeded" if result.status == Status.timeout else "Finished"
     return_code = None if result.status == Status.timeout else (
         -result.signal if result.signal is not None else result.exit_code)
+    files = dict(result.files or {})
+    file_errors = dict(result.file_errors or {})
+    if pytest_run is not None:
+        files.pop(pytest_run.tally, None)
+        file_errors.pop(pytest_run.tally, None)
     if result.status == Status.internal_error:
         status, run_status = "SandboxError", "Error"
     elif result.status == Status.ok and return_code == 0:
-        status = "Success"
+        why_not = _pytest_verdict(result, pytest_run) if pytest_run is not None else None
+        status = "Success" if why_not is None else "Failed"
+        if why_not is not None:
+            notes = [why_not, *notes]
     else:
         status = "Failed"
     if result.status in (Status.memory, Status.output_limit, Status.internal_error) and result.message:
         notes = [result.message, *notes]
     elif result.status in (Status.memory, Status.output_limit):
         notes = [f"the program hit its {result.status.value.replace('_', ' ')}", *notes]
-    notes += [f"could not fetch {path}: {why}" for path, why in (result.file_errors or {}).items()]
+    notes += [f"could not fetch {path}: {why}" for path, why in file_errors.items()]
     return {
         "status": status, "message": "; ".join(notes), "compile_result": None,
         "run_result": {"status": run_status, "execution_time": round(result.wall_s, 6), "return_code": return_code,
                        "stdout": result.stdout[:return_bytes], "stderr": result.stderr[:return_bytes]},
-        "executor_pod_name": result.worker or None, "files": result.files or {},
+        "executor_pod_name": result.worker or None, "files": files,
     }
 
 
@@ -224,21 +316,24 @@ def add_sandbox_fusion(app: FastAPI, settings: GatewaySettings, answer: Answer) 
             body = RunCodeRequest.model_validate(request.scope[JSON_BODY])
         except ValidationError as exc:
             return JSONResponse({"detail": validation_errors(exc)}, 422)
-        if body.language not in PYTHON_LANGUAGES:
+        if body.language not in (*PYTHON_LANGUAGES, PYTEST):
             return JSONResponse({"status": "SandboxError", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "
-                                            "only python runs here", "executor_pod_name": None, "files": {}})
+                                            "only python and pytest run here", "executor_pod_name": None,
+                                 "files": {}})
         try:
-            call, notes = _fusion_request(body, settings)
+            call, notes, pytest_run = _fusion_request(body, settings)
         except ValidationError as exc:
             return JSONResponse({"detail": validation_errors(exc)}, 422)
+        except InvalidRequest as exc:
+            return JSONResponse({"detail": str(exc)}, 422)
         [result] = await answer(request, [call])  # what the queue refuses comes back `rejected`: 422
         if result.status == Status.overloaded:
             # What SandboxFusion's clients retry (verl: only 504).
             return JSONResponse({"detail": result.message or "overloaded"}, 504, {"Retry-After": "1"})
         if result.status == Status.rejected:
             return JSONResponse({"detail": result.message}, 422)
-        return JSONResponse(_fusion_response(result, notes, settings.sandbox_fusion_output_bytes))
+        return JSONResponse(_fusion_response(result, notes, settings.sandbox_fusion_output_bytes, pytest_run))
 
     @app.get("/v1/ping", tags=tags)
     async def ping() -> str:

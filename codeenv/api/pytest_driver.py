@@ -1,0 +1,160 @@
+"""Runs a submitted file under pytest inside the jail and writes a tally of what pytest saw.
+
+This file is not imported by the service: its source is the program of a SandboxFusion ``pytest``
+call, followed by one line that calls `run` with the call's parameters. It runs in the jail under the
+image's interpreter, so it imports the standard library and pytest only.
+
+The submitted file runs the way SandboxFusion runs it (``pytest FILE *args`` in the work dir, the
+file named like a NamedTemporaryFile). The tally goes to a file the gateway fetches and judges, never
+to stdout, so nothing the program prints can pass for it; the gateway's verdict needs the tally and
+refuses what pytest's exit code alone would accept:
+
+- no tally at all: the program ended the process before pytest finished (``os._exit(0)`` at import);
+- a test function of the file's source that was never collected (deleted or replaced by the time
+  pytest collected the module), or whose code is not the code written at its ``def`` (rewritten at
+  import or while other tests ran);
+- a pytest plugin registered by the file (hooks can rewrite reports);
+- zero tests, or any test that failed, errored, was skipped or xfailed.
+
+The program shares this process, so one written against this very file could forge its tally; the
+jail holds whatever it does, and a reward that must hold against that uses expected outputs compared
+outside the jail.
+"""
+
+import ast
+import inspect
+import json
+import os
+import sys
+
+
+def _static_tests(path):
+    """(class or None, name) -> set of line numbers of every test function a default pytest run
+    collects from the file's source, or None if the source does not parse (pytest reports that)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (SyntaxError, ValueError, OSError):
+        return None
+    tests = {}
+
+    def add(owner, node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            # A later def of the same name replaces the earlier one, as it does in the module.
+            tests[(owner, node.name)] = {node.lineno, *(d.lineno for d in node.decorator_list)}
+
+    for node in tree.body:
+        add(None, node)
+        if isinstance(node, ast.ClassDef):
+            unit = any((isinstance(b, ast.Name) and b.id == "TestCase")
+                       or (isinstance(b, ast.Attribute) and b.attr == "TestCase") for b in node.bases)
+            # A Test class with __init__ counts too: pytest skips it with a warning, so its tests never ran.
+            if unit or node.name.startswith("Test"):
+                for member in node.body:
+                    add(node.name, member)
+    return tests
+
+
+def _code_of(item):
+    function = getattr(item, "obj", None)
+    function = getattr(function, "__func__", function)
+    try:
+        function = inspect.unwrap(function)
+    except ValueError:
+        return None
+    return getattr(function, "__code__", None)
+
+
+class _Tally:
+    def __init__(self, path):
+        self.path = os.path.realpath(path)
+        self.counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0, "xpassed": 0}
+        self.items = []
+        self.seen = set()
+        self.codes = []
+        self.exit_status = None
+        self.plugins_at_start = set()
+        self.foreign_plugins = []
+
+    def pytest_sessionstart(self, session):
+        self.plugins_at_start = {id(p) for p in session.config.pluginmanager.get_plugins()}
+
+    def _ours(self, item):
+        return os.path.realpath(str(getattr(item, "path", ""))) == self.path
+
+    def _note(self, items):
+        for item in items:
+            if self._ours(item):
+                cls = getattr(item, "cls", None)
+                name = getattr(item, "originalname", None) or item.name.split("[")[0]
+                self.seen.add((cls.__name__ if cls is not None else None, name))
+
+    def pytest_deselected(self, items):
+        self._note(items)
+
+    def pytest_collection_finish(self, session):
+        self.items = list(session.items)
+        self._note(self.items)
+        self.codes = [(item, _code_of(item)) for item in self.items if self._ours(item)]
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.counts["error"] += 1
+
+    def pytest_runtest_logreport(self, report):
+        xfail = hasattr(report, "wasxfail")
+        if report.when == "call":
+            if report.passed:
+                self.counts["xpassed" if xfail else "passed"] += 1
+            elif report.skipped:
+                self.counts["xfailed" if xfail else "skipped"] += 1
+            else:
+                self.counts["failed"] += 1
+        elif report.failed:
+            self.counts["error"] += 1
+        elif report.skipped:
+            self.counts["xfailed" if xfail else "skipped"] += 1
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.exit_status = int(exitstatus)
+        # Hooks can rewrite reports: a plugin registered by the tested file (its `pytest_plugins`, or a
+        # register() call while it ran) is refused; pytest's own objects and conftest files are not.
+        manager = session.config.pluginmanager
+        for plugin in manager.get_plugins():
+            if id(plugin) in self.plugins_at_start:
+                continue
+            if type(plugin).__module__.startswith("_pytest."):
+                continue
+            if os.path.basename(str(getattr(plugin, "__file__", None) or "")) == "conftest.py":
+                continue
+            self.foreign_plugins.append(str(manager.get_name(plugin)))
+
+
+def run(params):
+    """Run pytest on the submitted file; write the tally; exit with pytest's exit code."""
+    params = json.loads(params)
+    target = params["file"]
+    static = _static_tests(target)
+    import pytest
+
+    tally = _Tally(target)
+    exit_code = int(pytest.main([target, *params["args"]], plugins=[tally]))
+    # Checked after the run: a test that rewrote another test's code while it ran shows here.
+    rewritten = [item.nodeid for item, code in tally.codes if code is None or _code_of(item) is not code]
+    missing = []
+    if static is not None:
+        missing = ["::".join(p for p in key if p) for key in static if key not in tally.seen]
+        for item, code in tally.codes:
+            cls = getattr(item, "cls", None)
+            key = (cls.__name__ if cls is not None else None, getattr(item, "originalname", None) or item.name)
+            lines = static.get(key)
+            if code is None or (lines is not None and (os.path.realpath(code.co_filename) != tally.path
+                                                       or code.co_firstlineno not in lines)):
+                rewritten.append(item.nodeid)
+    record = {"token": params["token"], "exit_status": tally.exit_status, "counts": tally.counts,
+              "collected": len(tally.items), "missing": sorted(missing), "rewritten": sorted(set(rewritten)),
+              "plugins": sorted(tally.foreign_plugins)}
+    with open(params["tally"], "w") as f:
+        json.dump(record, f)
+    sys.stdout.flush()
+    sys.exit(exit_code)
