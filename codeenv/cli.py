@@ -25,6 +25,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from codeenv.admission import resolve_limits
 from codeenv.errors import CodeenvError
 from codeenv.models import ExecRequest, Limits
 from codeenv.settings import GatewaySettings, SandboxSettings
@@ -79,7 +80,7 @@ def run(
             settings = settings.model_copy(update={"image": image})
         request = ExecRequest(code=code, stdin=stdin, profile=profile,
                               limits=Limits(wall_s=timeout, memory_mb=memory))
-        request.limits.resolve(settings.defaults, settings.caps)  # refuse before starting jails
+        resolve_limits(request.limits, settings.defaults, settings.caps)  # refuse before starting jails
     except ValueError as exc:
         raise _fail(str(exc)) from exc
 

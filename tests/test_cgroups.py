@@ -32,7 +32,6 @@ from codeenv.sandbox.sizing import (
     memory_allowance,
     plan_slots,
 )
-from codeenv.settings import CapValues, DefaultValues
 
 V2_ALL = "cpuset cpu io memory pids"
 
@@ -311,8 +310,8 @@ CGROUP = Path("/sys/fs/cgroup/memory/worker")  # where a limit binds (the sizing
 
 def settings(slots: int, call_mb: int, zygote_mb: int | None = None, **kw: object) -> SandboxSettings:
     return SandboxSettings(slots=slots, zygote_memory_mb=zygote_mb,
-                           caps=CapValues(memory_mb=call_mb),
-                           defaults=DefaultValues(memory_mb=min(call_mb, 1024)), **kw)  # type: ignore[arg-type]
+                           caps={"memory_mb": call_mb},  # type: ignore[arg-type]
+                           defaults={"memory_mb": min(call_mb, 1024)}, **kw)  # type: ignore[arg-type]
 
 
 def test_sizing_lowers_the_slot_count_and_says_so(caplog: pytest.LogCaptureFixture) -> None:

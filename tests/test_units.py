@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 import codeenv
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings
+from codeenv.admission import resolve_limits
 from codeenv.errors import ImageError
 from codeenv.sandbox.image import Profile, content_hash, find_spec
 from codeenv.sandbox.routing import choose_profile, imported_modules
@@ -24,19 +25,19 @@ def test_public_api() -> None:
 
 
 def test_limits_default_and_lower() -> None:
-    v = Limits().resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    v = resolve_limits(Limits(), DEFAULT_LIMITS, DEFAULT_CAPS)
     assert v.wall_s == 10 and v.memory_mb == 1024 and v.output_bytes == 65536 and v.cpu_s == 10
-    v = Limits(wall_s=2.5, memory_mb=100).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    v = resolve_limits(Limits(wall_s=2.5, memory_mb=100), DEFAULT_LIMITS, DEFAULT_CAPS)
     assert (v.wall_s, v.cpu_s, v.memory_mb) == (2.5, 2.5, 100)
-    v = Limits(wall_s=30).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+    v = resolve_limits(Limits(wall_s=30), DEFAULT_LIMITS, DEFAULT_CAPS)
     assert v.cpu_s == 30
 
 
 def test_limit_above_cap_names_the_cap() -> None:
     with pytest.raises(LimitExceedsCap, match=r"limits.wall_s=500 cannot exceed the configured limit of 120"):
-        Limits(wall_s=500).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+        resolve_limits(Limits(wall_s=500), DEFAULT_LIMITS, DEFAULT_CAPS)
     with pytest.raises(InvalidRequest):
-        Limits(memory_mb=10**6).resolve(DEFAULT_LIMITS, DEFAULT_CAPS)
+        resolve_limits(Limits(memory_mb=10**6), DEFAULT_LIMITS, DEFAULT_CAPS)
 
 
 @pytest.mark.parametrize("bad", [{"wall_s": -1}, {"wall_s": 0}, {"wall_s": float("nan")},
@@ -58,6 +59,7 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CODEENV_DEFAULTS__WALL_S", "5")
     s = SandboxSettings()
     assert s.slots == 7 and s.caps.wall_s == 30 and s.defaults.wall_s == 5
+    assert s.caps.memory_mb == DEFAULT_CAPS.memory_mb and s.defaults.cpu_s == DEFAULT_LIMITS.cpu_s
 
 
 PROFILES = [Profile(name="light", covers=["@stdlib"]), Profile(name="math", covers=["*"])]

@@ -26,8 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Status, Text, code_judge_reason
+from codeenv.models import ExecRequest, ExecResult, Status, Text
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from codeenv.admission import resolve_limits
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each
 from codeenv.sandbox.image import Image, ensure_image
@@ -110,7 +111,7 @@ class BaselineQueue:
 
     async def _run(self, request: ExecRequest, accepted: float) -> ExecResult:
         try:
-            limits = request.limits.resolve(self.settings.defaults, self.settings.caps)
+            limits = resolve_limits(request.limits, self.settings.defaults, self.settings.caps)
         except ValueError as exc:
             return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
         if len(request.code.encode()) > MAX_ARG_BYTES or "\0" in request.code:

@@ -17,13 +17,20 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from codeenv.models import ExecResult, Status, code_judge_reason
+from codeenv.models import ExecResult, Status
 
 #: Tags whose opening or closing form is neutralised in tool output.
 DEFAULT_TAGS = ("tool_response", "tool_call", "tool_result", "answer", "think", "result", "code", "interpreter",
                 "output", "python", "im_start", "im_end", "search", "information")
 #: Chat-template special tokens like <|im_end|>, <|eot_id|>, <|endoftext|>.
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_\-]{1,40}\|>")
+
+
+def code_judge_reason(status: Status) -> str:
+    """code-judge's `reason` for one of our verdicts ("" for a run that ended, however it ended): the
+    vocabulary rStar2-Agent's tool reads, shared by this feedback and the code-judge endpoints."""
+    return {Status.timeout: "worker_timeout", Status.overloaded: "queue_timeout",
+            Status.internal_error: "internal_error", Status.rejected: "invalid_input"}.get(status, "")
 
 
 def neutralize(text: str, tags: Iterable[str] = DEFAULT_TAGS) -> str:

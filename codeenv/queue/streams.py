@@ -40,6 +40,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from codeenv.admission import admit
 from codeenv.errors import InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each
@@ -326,7 +327,7 @@ class RedisQueue:
             future: asyncio.Future[ExecResult] = loop.create_future()
             futures.append(future)
             try:
-                request.check(self.settings)
+                admit(request, self.settings)
             except InvalidRequest as exc:
                 future.set_result(ExecResult(id=request.id, status=Status.rejected, message=str(exc)))
                 continue

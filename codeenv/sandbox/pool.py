@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from codeenv.admission import admit, decoded_files
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError
 from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
@@ -261,7 +262,8 @@ class SlotPool:
     def resolve(self, request: ExecRequest) -> tuple[bytes, bytes, LimitValues, Profile]:
         """Validate a request against the server's caps; raise InvalidRequest saying what to fix."""
         assert self.image is not None
-        code, stdin, limits = request.check(self.settings)
+        admitted = admit(request, self.settings)
+        code, stdin, limits = admitted.code, admitted.stdin, admitted.limits
         if request.profile is not None:
             try:
                 profile = self.image.profile(request.profile)
@@ -287,7 +289,7 @@ class SlotPool:
         if not self._open:
             raise PoolClosed("the slot pool is not running")
         code, stdin, limits, profile = self.resolve(request)
-        files = request.decoded_files(self.settings) if request.files else None
+        files = decoded_files(request, self.settings) if request.files else None
         fetch = list(dict.fromkeys(request.fetch_files)) or None
         # The queue wait (and the deadline) count from when the call was accepted upstream.
         queued = time.monotonic() if accepted_at is None else accepted_at

@@ -1,0 +1,98 @@
+"""Admission: a request checked against the server's settings before it is queued or run.
+
+The wire schema (`codeenv.models`) says what a request may hold; admission says whether this server
+runs it: limits within the caps, sizes within the settings, file paths inside the work dir, input
+files that decode. Every refusal is an InvalidRequest whose message says what to fix.
+
+Usage::
+
+    admitted = admit(request, settings)   # raises InvalidRequest
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from codeenv.errors import InvalidRequest, LimitExceedsCap
+from codeenv.models import ExecRequest, Limits, LimitValues
+
+if TYPE_CHECKING:
+    from codeenv.settings import SandboxSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What a call runs with: its code and stdin as bytes, and its limits filled from the defaults."""
+
+    code: bytes
+    stdin: bytes
+    limits: LimitValues
+
+
+def resolve_limits(limits: Limits, defaults: LimitValues, caps: LimitValues) -> LimitValues:
+    """Fill unset limits from `defaults`; raise LimitExceedsCap for any above `caps`."""
+    values = defaults.model_dump()
+    for name, requested in limits.model_dump(exclude_none=True).items():
+        cap = getattr(caps, name)
+        if requested > cap:
+            raise LimitExceedsCap(f"limits.{name}", requested, cap)
+        values[name] = requested
+    if limits.cpu_s is None:
+        # Unless asked otherwise, the CPU budget follows the wall budget.
+        values["cpu_s"] = min(values["wall_s"], caps.cpu_s)
+    return LimitValues(**values)
+
+
+def admit(request: ExecRequest, settings: SandboxSettings) -> Admitted:
+    """The code, stdin and limits to run with; raise InvalidRequest saying what to fix."""
+    limits = resolve_limits(request.limits, settings.defaults, settings.caps)
+    try:
+        code = request.code.encode("utf-8")
+        stdin = request.stdin.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
+    if len(code) > settings.max_code_bytes:
+        raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+    if len(stdin) > settings.max_stdin_bytes:
+        raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
+    files = len(request.files) + len(request.fetch_files)
+    if files > settings.max_files:
+        raise InvalidRequest(f"{files} files in and out; the limit is {settings.max_files}")
+    for path in [*request.files, *request.fetch_files]:
+        check_path(path)
+    return Admitted(code, stdin, limits)
+
+
+def decoded_files(request: ExecRequest, settings: SandboxSettings) -> list[tuple[str, bytes]]:
+    """The input files' contents; raise InvalidRequest for bad base64 or too many bytes."""
+    decoded: list[tuple[str, bytes]] = []
+    total = 0
+    for path, content in request.files.items():
+        try:
+            data = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequest(f"files[{path!r}] is not valid base64: {exc}") from None
+        total += len(data)
+        if total > settings.max_files_bytes:
+            raise InvalidRequest(f"the input files hold more than {settings.max_files_bytes} bytes")
+        decoded.append((path, data))
+    dirs = {"/".join(p.split("/")[:i]) for p, _ in decoded for i in range(1, p.count("/") + 1)}
+    for path, _ in decoded:
+        if path in dirs:
+            raise InvalidRequest(f"files[{path!r}] is both a file and a directory of another file")
+    return decoded
+
+
+def check_path(path: str) -> None:
+    """A path inside the work dir: relative, no '.' or '..' parts, no NUL, not empty."""
+    if not path or len(path) > 1024 or "\0" in path or path.startswith("/"):
+        raise InvalidRequest(f"file path {path!r} must be a non-empty relative path without NUL")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise InvalidRequest(f"file path {path!r} must stay inside the work dir (no '', '.' or '..' parts)")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"file path {path!r} is not valid Unicode") from None
