@@ -24,7 +24,7 @@ from _service import start_redis, start_serve, wait_ready
 from rich.console import Console
 from rich.progress import Progress
 
-from codeenv.queue.streams import DONE_TTL_S
+from codeenv.queue.redis_protocol import DONE_TTL_S
 
 
 def _vm(pid: int, field: str) -> int:

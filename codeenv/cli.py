@@ -288,8 +288,8 @@ def pool(
     """The host's slot pool behind `serve --processes N` (without Redis)."""
     import signal
 
-    from codeenv.queue.local import LocalQueueServer
-    from codeenv.queue.memory import EmbeddedQueue
+    from codeenv.queue.embedded import EmbeddedQueue
+    from codeenv.queue.host_socket import HostSocketServer
     from codeenv.sandbox.pool import SlotPool
 
     _setup_logging(log_format)
@@ -297,7 +297,7 @@ def pool(
 
     async def go() -> None:
         queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)
-        server = LocalQueueServer(queue, socket)
+        server = HostSocketServer(queue, socket)
         await server.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

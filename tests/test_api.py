@@ -15,8 +15,8 @@ import pytest_asyncio
 
 from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
-from codeenv.queue.memory import EmbeddedQueue
-from codeenv.queue.streams import RedisQueue
+from codeenv.queue.embedded import EmbeddedQueue
+from codeenv.queue.redis import RedisQueue
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
 from tests.conftest import RedisServer, free_port, wait_ready
@@ -290,11 +290,11 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
 
 async def test_gateways_lose_the_pool_process_with_clear_answers(pool: SlotPool, tmp_path: Path) -> None:
     from codeenv.errors import QueueUnavailable
-    from codeenv.queue.local import LocalQueue, LocalQueueServer
+    from codeenv.queue.host_socket import HostSocketQueue, HostSocketServer
 
-    server = LocalQueueServer(SharedPoolQueue(pool, 100), tmp_path / "pool.sock")
+    server = HostSocketServer(SharedPoolQueue(pool, 100), tmp_path / "pool.sock")
     await server.start()
-    gateway = LocalQueue(tmp_path / "pool.sock")
+    gateway = HostSocketQueue(tmp_path / "pool.sock")
     await gateway.start()
     try:
         [ok] = await gateway.submit([ExecRequest(code="print('via the socket')", id="sock-1")])

@@ -25,7 +25,8 @@ import redis.asyncio as aioredis
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.api import create_app
 from codeenv.models import ExecResult
-from codeenv.queue.streams import GROUP, Keys, RedisQueue, encode_job
+from codeenv.queue.redis import RedisQueue
+from codeenv.queue.redis_protocol import GROUP, Keys, encode_job
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
 from tests.conftest import RedisServer, free_port, wait_ready

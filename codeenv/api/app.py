@@ -128,17 +128,17 @@ def create_app(settings: GatewaySettings, queue: CallQueue | None = None) -> Fas
     Streams queue (and, with `settings.local_worker`, a worker in this process), for its lifetime."""
     worker: StreamWorker | None = None
     if queue is None and settings.pool_socket is not None:
-        from codeenv.queue.local import LocalQueue
+        from codeenv.queue.host_socket import HostSocketQueue
 
-        queue = LocalQueue(settings.pool_socket)
+        queue = HostSocketQueue(settings.pool_socket)
     elif queue is None and settings.redis_url is not None:
-        from codeenv.queue.streams import RedisQueue
+        from codeenv.queue.redis import RedisQueue
         from codeenv.worker import StreamWorker
 
         queue = RedisQueue(settings)
         worker = StreamWorker(settings) if settings.local_worker else None
     elif queue is None:
-        from codeenv.queue.memory import EmbeddedQueue
+        from codeenv.queue.embedded import EmbeddedQueue
         from codeenv.sandbox.pool import SlotPool
 
         queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from codeenv.models import ExecRequest, ExecResult
 
@@ -29,6 +29,24 @@ def notify_each(futures: Sequence[asyncio.Future[ExecResult]], on_result: OnResu
 
     for index, future in enumerate(futures):
         future.add_done_callback(functools.partial(ended, index))
+
+
+async def until_done_or_gone[T](batch: asyncio.Future[T], gone: asyncio.Event | None,
+                                on_gone: Callable[[], None]) -> T:
+    """The batch's outcome, unless the caller goes away first (`gone` is set): then `on_gone` cancels
+    what has not started, the rest runs on unread, and CancelledError is raised."""
+    if gone is None:
+        return await asyncio.shield(batch)
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait([batch, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not batch.done():
+            on_gone()
+            batch.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it any more
+            raise asyncio.CancelledError("the caller disconnected")
+        return batch.result()
+    finally:
+        watcher.cancel()
 
 
 class CallQueue(Protocol):

@@ -275,16 +275,16 @@ class SlotPool:
 
     async def run(self, request: ExecRequest, *, slot_index: int | None = None,
                   on_dispatch: Callable[[], None] | None = None,
-                  before_start: Callable[[], Awaitable[ExecResult | None]] | None = None,
+                  before_start: Callable[[], Awaitable[None]] | None = None,
                   accepted_at: float | None = None) -> ExecResult:
         """Run one program. Bad requests raise InvalidRequest; everything else is a result.
 
         `slot_index` pins the call to one slot (for tests and diagnostics). `on_dispatch` is called
         when the call gets its slot: until then, cancelling it provably runs nothing. `accepted_at`
         (time.monotonic() when the call was accepted upstream) is where its queue wait and deadline
-        start. `before_start`
-        is awaited next, with the slot held: it may veto the call by returning the result to answer
-        instead (a distributed worker marks the job started there, or learns that it must not run).
+        start. `before_start` is awaited next, with the slot held: it may veto the call by raising
+        (the slot is released and the exception propagates): a distributed worker marks the job
+        started there, or learns that it must not run.
         """
         if not self._open:
             raise PoolClosed("the slot pool is not running")
@@ -311,13 +311,10 @@ class SlotPool:
                 on_dispatch()
             if before_start is not None:
                 try:
-                    veto = await before_start()
-                except BaseException:
+                    await before_start()
+                except BaseException:  # a veto: the call must not run here
                     self._free.release(slot)
                     raise
-                if veto is not None:
-                    self._free.release(slot)
-                    return veto
             zygote = slot.zygotes[profile.name]
             zygote.busy = True
             try:

@@ -1,5 +1,5 @@
 """Workers that drain a distributed queue into a local slot pool."""
 
-from codeenv.worker.streams import StreamWorker
+from codeenv.worker.redis import StreamWorker
 
 __all__ = ["StreamWorker"]

@@ -1,13 +1,13 @@
 """One slot pool per host behind several gateway processes, without Redis: a Unix socket.
 
-`codeenv serve --processes N` runs the pool in one process (`LocalQueueServer` around an
-EmbeddedQueue) and N uvicorn processes whose gateways talk to it through `LocalQueue`.
+`codeenv serve --processes N` runs the pool in one process (`HostSocketServer` around an
+EmbeddedQueue) and N uvicorn processes whose gateways talk to it through `HostSocketQueue`.
 
 Usage::
 
-    server = LocalQueueServer(EmbeddedQueue(SlotPool(settings), max_queued), path)   # pool process
+    server = HostSocketServer(EmbeddedQueue(SlotPool(settings), max_queued), path)   # pool process
     await server.start()
-    queue = LocalQueue(path)                                                           # each gateway
+    queue = HostSocketQueue(path)                                                           # each gateway
     await queue.start()
 
 Frames are a 4-byte big-endian length and UTF-8 text. Gateway -> pool: a JSON object with ``op``
@@ -28,12 +28,11 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult
-from codeenv.queue.memory import EmbeddedQueue
+from codeenv.queue.base import NO_STATS, OnResult, until_done_or_gone
+from codeenv.queue.embedded import EmbeddedQueue
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def _frame(text: str) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
-class LocalQueueServer:
+class HostSocketServer:
     """Serves an EmbeddedQueue (and its slot pool) to gateway processes on this host."""
 
     def __init__(self, queue: EmbeddedQueue, path: Path) -> None:
@@ -132,8 +131,8 @@ class LocalQueueServer:
             self._connections.pop(task, None)
 
 
-class LocalQueue:
-    """A gateway's side of LocalQueueServer: the CallQueue interface over a Unix socket."""
+class HostSocketQueue:
+    """A gateway's side of HostSocketServer: the CallQueue interface over a Unix socket."""
 
     def __init__(self, path: Path, connect_timeout_s: float = 300.0) -> None:
         self.path = path
@@ -194,19 +193,12 @@ class LocalQueue:
         return [ExecResult.from_json(line) for line in lines]
 
     async def _wait(self, n: int, future: asyncio.Future[list[str]], gone: asyncio.Event | None) -> list[str]:
-        if gone is None:
-            return await future
-        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait([future, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if not future.done():
-                self._waiting.pop(n, None)
-                future.cancel()
-                self._send('"op":"cancel"', n)
-                raise asyncio.CancelledError("the caller disconnected")
-            return future.result()
-        finally:
-            watcher.cancel()
+        def cancel() -> None:
+            self._waiting.pop(n, None)
+            future.cancel()
+            self._send('"op":"cancel"', n)
+
+        return await until_done_or_gone(future, gone, cancel)
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         try:

@@ -6,23 +6,10 @@ Usage::
     await queue.start()
     results = await queue.submit([ExecRequest(code="print(1)")])
 
-The keys, all under one prefix (default ``codeenv``):
-
-========================  =====================================================================
-``P:jobs``                the stream of jobs; workers read it through the consumer group ``workers``
-``P:started:JOB``         the arbiter of at-most-once: set (NX) to the worker's name just before a
-                          slot runs the job, or to ``cancelled`` by whoever cancels it first
-``P:call:ID``             a client id -> ``fingerprint job entry`` while the call is remembered
-``P:result:ID``           the result of a call with a client id, kept ``results_ttl_s``
-``P:reply:GATEWAY``       results for one gateway process, read in bulk (BLMPOP)
-``P:alive:WORKER``        a worker's heartbeat; it expires ``worker_dead_after_s`` after the last
-``P:workers``             worker -> its last reported stats (slots, free slots, restarts, calls)
-========================  =====================================================================
-
-Everything a call leaves behind expires: a finished job's marker after ``DONE_TTL_S``, results of
-calls with an id after ``results_ttl_s``, a gateway's reply list when it stops reading it, so Redis
-memory returns to its baseline after a burst. Needs a single Redis (or a Sentinel-managed one) >= 7.0,
-not Redis Cluster: the scripts touch keys they compute.
+The keys, the marker values and the scripts are the at-most-once contract that gateways and
+workers share: `codeenv.queue.redis_protocol`. Everything a call leaves behind expires: a finished
+job's marker after ``DONE_TTL_S``, results of calls with an id after ``results_ttl_s``, a gateway's
+reply list when it stops reading it, so Redis memory returns to its baseline after a burst.
 """
 
 from __future__ import annotations
@@ -37,193 +24,34 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from codeenv.admission import admit
 from codeenv.errors import InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult, notify_each
-from codeenv.queue.memory import fingerprint
-from codeenv.settings import GatewaySettings, QueueSettings
+from codeenv.queue.base import NO_STATS, OnResult, notify_each, until_done_or_gone
+from codeenv.queue.embedded import fingerprint
+from codeenv.queue.redis_protocol import (
+    DONE_TTL_S,
+    GROUP,
+    Keys,
+    NewCall,
+    Scripts,
+    connect,
+    encode_job,
+    ensure_group,
+    redacted,
+)
+from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
-GROUP = "workers"
-#: How long the marker of a finished job outlives it (a late cancel must still see it).
-DONE_TTL_S = 60
-#: How long a gateway's reply list outlives its last result (it is read continuously while alive).
-REPLY_TTL_S = 300
 #: Calls per submit script run, so one huge burst does not hold Redis for long.
 SUBMIT_CHUNK = 1000
 #: How often calls attached to another gateway's job look for its result.
 ATTACH_POLL_S = 0.05
 #: How often the gateway refreshes the gauges and readiness it reads from Redis.
 SNAPSHOT_EVERY_S = 1.0
-
-
-class Keys:
-    """Names of the keys under one prefix (see the module docstring)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.jobs = f"{prefix}:jobs"
-        self.workers = f"{prefix}:workers"
-
-    def started(self, job: str) -> str:
-        return f"{self.prefix}:started:{job}"
-
-    def call(self, call_id: str) -> str:
-        return f"{self.prefix}:call:{call_id}"
-
-    def result(self, call_id: str) -> str:
-        return f"{self.prefix}:result:{call_id}"
-
-    def reply(self, gateway: str) -> str:
-        return f"{self.prefix}:reply:{gateway}"
-
-    def alive(self, worker: str) -> str:
-        return f"{self.prefix}:alive:{worker}"
-
-
-# KEYS[1]: the jobs stream. ARGV: max_queued, call_ttl_s, prefix, then (job, client id or "",
-# fingerprint, payload) per call. Answers per call: the new entry id; "fingerprint job entry" of the
-# call a client id already names (attach to it); or "" when the queue is full.
-SUBMIT = """
-local depth = redis.call('XLEN', KEYS[1])
-local maxq = tonumber(ARGV[1])
-local out = {}
-for i = 4, #ARGV, 4 do
-  local cid = ARGV[i + 1]
-  local prev = false
-  if cid ~= '' then prev = redis.call('GET', ARGV[3] .. ':call:' .. cid) end
-  if prev then
-    out[#out + 1] = prev
-  elseif depth >= maxq then
-    out[#out + 1] = ''
-  else
-    local entry = redis.call('XADD', KEYS[1], '*', 'k', ARGV[i], 'job', ARGV[i + 3])
-    depth = depth + 1
-    if cid ~= '' then
-      redis.call('SET', ARGV[3] .. ':call:' .. cid, ARGV[i + 2] .. ' ' .. ARGV[i] .. ' ' .. entry, 'EX', ARGV[2])
-    end
-    out[#out + 1] = entry
-  end
-end
-return out
-"""
-
-# KEYS[1]: the jobs stream. ARGV: group, prefix, marker_ttl_s, then (job, entry, client id or "") per
-# call. A call is cancelled only if nobody marked it started: 1 per cancelled call, else 0.
-CANCEL = """
-local out = {}
-for i = 4, #ARGV, 3 do
-  if redis.call('SET', ARGV[2] .. ':started:' .. ARGV[i], 'cancelled', 'NX', 'EX', ARGV[3]) then
-    redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[i + 1])
-    redis.call('XDEL', KEYS[1], ARGV[i + 1])
-    if ARGV[i + 2] ~= '' then redis.call('DEL', ARGV[2] .. ':call:' .. ARGV[i + 2]) end
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-  end
-end
-return out
-"""
-
-
-# KEYS[1]: the jobs stream. ARGV: group, consumer, count, prefix, marker_ttl_s. Claims up to `count`
-# new entries (entries hold the fields k, job) and marks each started by this consumer, in one round
-# trip: the worker claims only as many as it has free slots, so each goes to a slot at once. Answers
-# (entry, payload, 1 if marked else 0) per entry; 0: someone else owns it or it was cancelled.
-CLAIM = """
-local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
-local out = {}
-if not got then return out end
-for _, e in ipairs(got[1][2]) do
-  local fields = e[2]
-  local marked = redis.call('SET', ARGV[4] .. ':started:' .. fields[2], ARGV[2], 'NX', 'EX', ARGV[5])
-  out[#out + 1] = e[1]
-  out[#out + 1] = fields[4]
-  out[#out + 1] = marked and 1 or 0
-end
-return out
-"""
-
-
-# KEYS[1]: the jobs stream. ARGV: group, consumer, prefix, then (entry, job, payload) per job that a
-# stopping worker claimed and never ran. Each goes back to the stream as a new entry, unless someone
-# else marked it meanwhile (a gateway cancelled it): the marker decides, as everywhere.
-HAND_BACK = """
-local n = 0
-for i = 4, #ARGV, 3 do
-  local marker = ARGV[3] .. ':started:' .. ARGV[i + 1]
-  local owner = redis.call('GET', marker)
-  if not owner or owner == ARGV[2] then
-    redis.call('DEL', marker)
-    redis.call('XADD', KEYS[1], '*', 'k', ARGV[i + 1], 'job', ARGV[i + 2])
-    n = n + 1
-  end
-  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[i])
-  redis.call('XDEL', KEYS[1], ARGV[i])
-end
-return n
-"""
-
-
-# KEYS[1]: the jobs stream, KEYS[2]: the gateway's reply list. ARGV: group, entry, job, prefix,
-# result JSON, client id or "", 1 if the call started else 0, results_ttl_s. Writes the result (and
-# keeps it under the client id), acks and deletes the entry, and marks the job done, atomically.
-FINISH = f"""
-local prefix = ARGV[4]
-redis.call('LPUSH', KEYS[2], ARGV[3] .. '\\n' .. ARGV[5])
-redis.call('EXPIRE', KEYS[2], {REPLY_TTL_S})
-if ARGV[6] ~= '' then
-  redis.call('SET', prefix .. ':result:' .. ARGV[6], ARGV[5], 'EX', ARGV[8])
-  if ARGV[7] == '0' then
-    redis.call('DEL', prefix .. ':call:' .. ARGV[6])
-  else
-    redis.call('EXPIRE', prefix .. ':call:' .. ARGV[6], ARGV[8])  -- the id outlives its result
-  end
-end
-redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('SET', prefix .. ':started:' .. ARGV[3], 'done', 'EX', {DONE_TTL_S})
-return 1
-"""
-
-
-def connect(settings: QueueSettings) -> Redis:
-    """A client for the queue's Redis. No automatic retries: SUBMIT, CANCEL and CLAIM must not be
-    repeated blindly; the callers decide (a job key makes a repeated write harmless)."""
-    assert settings.redis_url is not None
-    return Redis.from_url(settings.redis_url, decode_responses=True, protocol=2,
-                          socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30)
-
-
-def redacted(url: str | None) -> str:
-    """The URL without its password, for logs."""
-    if url is None or "@" not in url:
-        return str(url)
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
-
-
-async def ensure_group(r: Redis, keys: Keys) -> None:
-    """Create the consumer group (and the stream) unless they exist; from entry 0, so that jobs
-    added before the group (e.g. right after a Redis restart) are read too."""
-    try:
-        await r.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-def encode_job(job: str, reply: str, call_id: str | None, request_json: str, accepted: float | None = None) -> str:
-    """A stream entry: request JSON is embedded as encoded once, never re-encoded. `t` is when
-    the gateway took the call (wall clock: workers on other hosts compare it with theirs)."""
-    t = time.time() if accepted is None else accepted
-    return (f'{{"job":{json.dumps(job)},"reply":{json.dumps(reply)},"t":{t:.6f},'
-            f'"cid":{json.dumps(call_id)},"req":{request_json}}}')
 
 
 class _Call:
@@ -263,8 +91,7 @@ class RedisQueue:
         self.reply = self.keys.reply(self.name)
         self._r = connect(settings)
         self._reader = connect(settings)  # BLMPOP holds its connection
-        self._submit = self._r.register_script(SUBMIT)
-        self._cancel = self._r.register_script(CANCEL)
+        self._scripts = Scripts(self._r, self.keys)
         self._pending: list[_Call] = []
         self._to_cancel: list[_Call] = []
         self._waiting: dict[str, _Call] = {}  # job key -> call, for calls in the stream
@@ -342,20 +169,14 @@ class RedisQueue:
             self._pending.append(call)
         notify_each(futures, on_result)
         batch = asyncio.gather(*futures)
-        if gone is None:
-            return list(await asyncio.shield(batch))
-        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait([batch, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if not batch.done():  # the caller is gone: cancel its calls that have not started
-                batch.add_done_callback(lambda f: f.cancelled() or f.exception())
-                doomed = [c for c in mine if c.request.id is None and not c.future.done()]
-                if doomed:
-                    self._cancel_soon(doomed)
-                raise asyncio.CancelledError("the caller disconnected")
-            return list(batch.result())
-        finally:
-            watcher.cancel()
+
+        def cancel_unstarted() -> None:  # calls with an id run on: a reconnecting caller may attach
+            doomed = [c for c in mine if c.request.id is None and not c.future.done()]
+            if doomed:
+                self._cancel_soon(doomed)
+
+        results: list[ExecResult] = await until_done_or_gone(batch, gone, cancel_unstarted)
+        return results
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         try:
@@ -380,7 +201,7 @@ class RedisQueue:
         """Write every call submitted this tick, in one script run per SUBMIT_CHUNK calls."""
         batch, self._pending = self._pending, []
         for start in range(0, len(batch), SUBMIT_CHUNK):
-            args: list[str | int] = [self.settings.max_queued, int(self.settings.results_ttl_s), self.keys.prefix]
+            new: list[NewCall] = []
             chunk: list[_Call] = []
             for call in batch[start:start + SUBMIT_CHUNK]:
                 try:
@@ -392,12 +213,12 @@ class RedisQueue:
                 # Registered before the write: a fast worker's result may be read before the
                 # script's own reply.
                 self._waiting[call.key] = call
-                args += [call.key, call.request.id or "", call.fingerprint, payload]
+                new.append(NewCall(call.key, call.request.id, call.fingerprint, payload))
                 chunk.append(call)
             if not chunk:
                 continue
             try:
-                outcome = await self._submit(keys=[self.keys.jobs], args=args)
+                outcome = await self._scripts.submit(new, self.settings.max_queued, int(self.settings.results_ttl_s))
             except Exception as exc:
                 if not isinstance(exc, RedisError):
                     logger.exception("queue write failed")
@@ -480,11 +301,8 @@ class RedisQueue:
         calls, self._to_cancel = [c for c in self._to_cancel if not c.future.done() and c.entry], []
         if not calls:
             return
-        args: list[str | int] = [GROUP, self.keys.prefix, DONE_TTL_S]
-        for call in calls:
-            args += [call.key, call.entry, call.request.id or ""]
         try:
-            cancelled = await self._cancel(keys=[self.keys.jobs], args=args)
+            cancelled = await self._scripts.cancel([(c.key, c.entry, c.request.id) for c in calls], DONE_TTL_S)
         except RedisError as exc:
             logger.warning("could not cancel %d calls (%s); trying again", len(calls), exc)
             asyncio.get_running_loop().call_later(0.5, self._cancel_soon, calls)
@@ -628,8 +446,3 @@ def _never_sent(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def worker_stats(slots: int, free: int, restarts: int, calls: int) -> str:
-    return json.dumps({"slots": slots, "free": free, "restarts": restarts, "calls": calls,
-                       "host": socket.gethostname(), "pid": os.getpid()})

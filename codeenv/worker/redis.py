@@ -16,7 +16,6 @@ never marked, and answers those it marked with ``started: true``: they are never
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -28,12 +27,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.streams import (
-    CLAIM,
-    FINISH,
+from codeenv.queue.redis_protocol import (
     GROUP,
-    HAND_BACK,
+    Job,
     Keys,
+    Marker,
+    Scripts,
     connect,
     ensure_group,
     redacted,
@@ -48,23 +47,27 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_S = 120.0
 #: Read by the claim loop's XREADGROUP: how long one blocking read waits for new jobs.
 CLAIM_BLOCK_MS = 1000
-#: Answered by `before_start` when the job belongs to someone else (or was cancelled): drop it.
-_NOT_OURS = ExecResult(status=Status.overloaded, message="not ours")
+
+
+class _NotOurs(Exception):
+    """The job belongs to someone else (another worker marked it, or it was cancelled): drop it."""
 
 
 class _Job:
+    """A job this worker claimed and has not answered yet."""
+
     __slots__ = ("entry", "payload_text", "key", "reply", "call_id", "enqueued", "request_json", "marked",
                  "in_pool", "dispatched", "task")
 
     def __init__(self, entry: str, payload_text: str, marked: bool) -> None:
-        payload = json.loads(payload_text)
+        job = Job.decode(payload_text)
         self.entry = entry
         self.payload_text = payload_text
-        self.key: str = payload["job"]
-        self.reply: str = payload["reply"]
-        self.call_id: str | None = payload.get("cid")
-        self.enqueued: float = payload["t"]
-        self.request_json: Any = payload["req"]
+        self.key = job.key
+        self.reply = job.reply
+        self.call_id = job.call_id
+        self.enqueued = job.enqueued
+        self.request_json = job.request_json
         self.marked = marked  # started marker set by the claim itself
         self.in_pool = False  # waiting in the pool for a slot (only such a job may be handed back)
         self.dispatched = False
@@ -86,8 +89,7 @@ class StreamWorker:
         self._blocking = connect(settings)  # XREADGROUP BLOCK holds its connection
         self._held: dict[str, _Job] = {}  # entry id -> job claimed and not yet answered
         self._active = 0  # jobs claimed and not yet out of the pool (what claims count against)
-        self._claim = self._r.register_script(CLAIM)
-        self._finish = self._r.register_script(FINISH)
+        self._scripts = Scripts(self._r, self.keys)
         self._ran: set[str] = set()  # job keys marked started by us whose result is not yet written
         self._room = asyncio.Event()
         self._rescan = False  # read our own pending entries again (after a lost connection)
@@ -178,11 +180,8 @@ class StreamWorker:
             if job.task is not None:
                 job.task.cancel()
         await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
-        args: list[str] = [GROUP, self.name, self.keys.prefix]
-        for job in jobs:
-            args += [job.entry, job.key, job.payload_text]
         try:
-            handed = await self._r.eval(HAND_BACK, 1, self.keys.jobs, *args)
+            handed = await self._scripts.hand_back(self.name, [(j.entry, j.key, j.payload_text) for j in jobs])
             logger.info("handed %d unstarted jobs back", handed, extra={"event": "hand_back", "jobs": handed})
         except RedisError as exc:
             logger.warning("could not hand %d jobs back (%s); other workers will reclaim them", len(jobs), exc)
@@ -210,10 +209,9 @@ class StreamWorker:
                     entries = entries[:room]
                 else:
                     # Claim and mark in one round trip; when nothing waits, block for the next job.
-                    flat = await self._claim(keys=[self.keys.jobs], args=[
-                        GROUP, self.name, room, self.keys.prefix, self.marker_ttl_s])
-                    if flat:
-                        entries = [(flat[i], {"job": flat[i + 1]}, bool(flat[i + 2])) for i in range(0, len(flat), 3)]
+                    claimed = await self._scripts.claim(self.name, room, self.marker_ttl_s)
+                    if claimed:
+                        entries = [(c.entry, {"job": c.payload}, c.marked) for c in claimed]
                     else:
                         got = await self._blocking.xreadgroup(GROUP, self.name, {self.keys.jobs: ">"},
                                                               count=room, block=CLAIM_BLOCK_MS)
@@ -276,10 +274,10 @@ class StreamWorker:
             finally:
                 self._active -= 1  # the slot is free again: claim the next job while this one is written
                 self._room.set()
-            if result is _NOT_OURS:
-                self._spawn_ack(job.entry)
-            elif result is not None:
+            if result is not None:
                 await self._publish(job, result)
+        except _NotOurs:
+            self._spawn_ack(job.entry)
         except asyncio.CancelledError:
             raise
         except RedisError as exc:
@@ -296,14 +294,14 @@ class StreamWorker:
         started_key = self.keys.started(job.key)
         if dead_owner is not None:
             owner: Any = await self._r.get(started_key)
-            if owner in ("cancelled", "done"):
-                return _NOT_OURS
+            if owner in (Marker.cancelled, Marker.done):
+                raise _NotOurs
             if owner is not None:
                 return ExecResult(id=job.call_id, status=Status.internal_error, started=True,
                                   message=f"the worker running the call ({owner}) died; it is not run again")
             if delivered >= 2:
-                if not await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
-                    return _NOT_OURS
+                if not await self._r.set(started_key, Marker.cancelled, nx=True, ex=self.marker_ttl_s):
+                    raise _NotOurs
                 return ExecResult(id=job.call_id, status=Status.internal_error, started=False,
                                   message=f"{delivered} workers died holding the call before it started; "
                                           "it is not tried again")
@@ -316,7 +314,7 @@ class StreamWorker:
             remaining = request.deadline_s - waited
             if remaining <= 0:
                 if not await self._may_answer_unrun(job, started_key):
-                    return _NOT_OURS
+                    raise _NotOurs
                 return ExecResult(id=request.id, status=Status.overloaded, started=False,
                                   message=f"the call waited {waited:.3g}s in the queue, past its deadline of "
                                           f"{request.deadline_s:g}s; not run")
@@ -325,19 +323,18 @@ class StreamWorker:
         def on_dispatch() -> None:
             job.dispatched = True
 
-        async def mark() -> ExecResult | None:
+        async def mark() -> None:
             # Called again if a zygote died before the call started (it then runs on another slot).
             if job.marked:
                 pass
             elif not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
                 owner = await self._r.get(started_key)
                 if owner != self.name or job.key in self._ran:
-                    return _NOT_OURS
+                    raise _NotOurs
                 # Our own mark, whose reply was lost: the call never ran.
             job.marked = True
             self._ran.add(job.key)
             logger.debug("start", extra={"event": "start", "job": job.key, "id": job.call_id})
-            return None
 
         job.in_pool = True
         try:
@@ -348,8 +345,7 @@ class StreamWorker:
             return None  # stopping: a reclaimer answers it (or it was handed back)
         finally:
             job.in_pool = False
-        if result is not _NOT_OURS:
-            result.queue_s = round(result.queue_s + waited, 6)
+        result.queue_s = round(result.queue_s + waited, 6)
         return result
 
     async def _may_answer_unrun(self, job: _Job, started_key: str) -> bool:
@@ -357,21 +353,20 @@ class StreamWorker:
         (set by the claim, the call never started) or we just set it to "cancelled"."""
         if job.marked and job.key not in self._ran:
             return True
-        if await self._r.set(started_key, "cancelled", nx=True, ex=self.marker_ttl_s):
+        if await self._r.set(started_key, Marker.cancelled, nx=True, ex=self.marker_ttl_s):
             return True
         owner = await self._r.get(started_key)
         return bool(owner == self.name and job.key not in self._ran)
 
     async def _publish(self, job: _Job, result: ExecResult) -> None:
         """Write the result, ack and delete the entry, atomically (one script); retried while Redis is away."""
-        args: list[str | int] = [GROUP, job.entry, job.key, self.keys.prefix, result.model_dump_json(),
-                                 job.call_id or "",
-                                 int(result.started), int(self.settings.results_ttl_s)]
+        encoded = result.model_dump_json()
         deadline = time.monotonic() + PUBLISH_RETRY_S
         delay = 0.1
         while True:
             try:
-                await self._finish(keys=[self.keys.jobs, job.reply], args=args)
+                await self._scripts.finish(job.entry, job.key, job.reply, job.call_id, encoded, result.started,
+                                           int(self.settings.results_ttl_s))
                 break
             except RedisError as exc:
                 if time.monotonic() > deadline:

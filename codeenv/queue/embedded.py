@@ -16,11 +16,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import OnResult, notify_each
+from codeenv.queue.base import OnResult, notify_each, until_done_or_gone
 from codeenv.sandbox.pool import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -106,22 +105,15 @@ class EmbeddedQueue:
             task.add_done_callback(self._tasks.discard)
         notify_each(tasks, on_result)
         batch: asyncio.Future[list[ExecResult]] = asyncio.gather(*tasks)
-        if gone is None or not cancellable:
-            return list(await asyncio.shield(batch))
-        watcher: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait([batch, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if not batch.done():  # the caller is gone: its calls that have not started never will
-                for index, dispatched in cancellable:
-                    if not dispatched:
-                        tasks[index].cancel()
-                # Started calls (and calls with an id, which a reconnecting caller may attach to)
-                # run on; nobody reads this batch's outcome any more.
-                batch.add_done_callback(lambda f: f.cancelled() or f.exception())
-                raise asyncio.CancelledError("the caller disconnected")
-            return list(batch.result())
-        finally:
-            watcher.cancel()
+
+        def cancel_unstarted() -> None:
+            # Started calls (and calls with an id, which a reconnecting caller may attach to) run on.
+            for index, dispatched in cancellable:
+                if not dispatched:
+                    tasks[index].cancel()
+
+        results: list[ExecResult] = await until_done_or_gone(batch, gone if cancellable else None, cancel_unstarted)
+        return results
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         done = self._done.get(call_id)
