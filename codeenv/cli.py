@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -118,9 +115,7 @@ def serve(
 ) -> None:
     """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis), or
     with --redis, a gateway of the Redis Streams queue (with a local worker unless told otherwise)."""
-    import uvicorn
-
-    from codeenv.api import create_app
+    from codeenv.topology import prepare_jails, run_gateway
 
     _setup_logging(log_format)
     try:
@@ -133,60 +128,10 @@ def serve(
         raise _fail(str(exc)) from exc
     if settings.redis_url is None or settings.local_worker:
         try:
-            from codeenv.sandbox.image import ensure_image
-            from codeenv.sandbox.sizing import preflight
-
-            image = ensure_image(settings, progress=_progress)  # build before binding, with progress
-            preflight(settings, image.spec)  # refuse before binding: no cgroups for jails, no memory for a slot
+            prepare_jails(settings, _progress)  # refuse before binding: no image, cgroups or memory for a slot
         except (CodeenvError, OSError) as exc:
             raise _fail(str(exc)) from exc
-    # uvicorn stops accepting, waits for in-flight requests (up to the grace period), then the
-    # app's lifespan closes the pool; a second signal forces.
-    if settings.processes == 1:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
-    else:
-        _serve_processes(settings, given, log_level, log_format)
-
-
-def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log_level: str, log_format: str) -> None:
-    """N uvicorn processes in front of one pool process: `codeenv worker` with Redis, else a pool
-    serving the gateways on a Unix socket. Settings reach the processes as CODEENV_* variables."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    import uvicorn
-
-    for key, value in given.items():
-        os.environ[f"CODEENV_{key.upper()}"] = str(value)
-    pool_cmd: list[str] | None = None
-    if settings.redis_url is not None:
-        os.environ["CODEENV_LOCAL_WORKER"] = "false"  # the gateways; the worker runs once, below
-        if settings.local_worker:
-            pool_cmd = ["worker", "--redis", settings.redis_url]
-    else:
-        socket_path = settings.state_dir / "sockets" / f"pool-{settings.port}.sock"
-        os.environ["CODEENV_POOL_SOCKET"] = str(socket_path)
-        pool_cmd = ["pool", "--socket", str(socket_path)]
-    metrics_dir = tempfile.mkdtemp(prefix="codeenv-metrics-")
-    pool_proc = None
-    try:
-        if pool_cmd is not None:
-            pool_proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format])
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
-        uvicorn.run("codeenv.api.app:app_from_env", factory=True, workers=settings.processes, host=settings.host,
-                    port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
-    finally:
-        if pool_proc is not None:
-            pool_proc.terminate()
-            try:
-                pool_proc.wait(settings.shutdown_grace_s + 30)
-            except subprocess.TimeoutExpired:
-                pool_proc.kill()
-                pool_proc.wait()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+    run_gateway(settings, given, log_level, log_format)
 
 
 @app.command()
@@ -276,7 +221,7 @@ def baseline(
         settings = settings.model_copy(update={"slots": slots})
     _setup_logging("text")
     logging.getLogger("codeenv").setLevel(logging.WARNING)
-    uvicorn.run(create_app(settings, queue=BaselineQueue(design, settings)), host="127.0.0.1", port=port,
+    uvicorn.run(create_app(settings, BaselineQueue(design, settings)), host="127.0.0.1", port=port,
                 log_level="warning")
 
 
@@ -286,26 +231,10 @@ def pool(
     log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
 ) -> None:
     """The host's slot pool behind `serve --processes N` (without Redis)."""
-    import signal
-
-    from codeenv.queue.embedded import EmbeddedQueue
-    from codeenv.queue.host_socket import HostSocketServer
-    from codeenv.sandbox.pool import SlotPool
+    from codeenv.topology import run_pool
 
     _setup_logging(log_format)
-    settings = GatewaySettings()
-
-    async def go() -> None:
-        queue = EmbeddedQueue(SlotPool(settings), settings.max_queued, grace_s=settings.shutdown_grace_s)
-        server = HostSocketServer(queue, socket)
-        await server.start()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.close()
-
-    asyncio.run(go())
+    run_pool(GatewaySettings(), socket)
 
 
 @app.command()
@@ -320,12 +249,8 @@ def worker(
     SIGTERM or SIGINT: stop claiming, hand unstarted calls back, let running ones finish within
     CODEENV_SHUTDOWN_GRACE_S; a second signal stops at once.
     """
-    import signal
-
-    from codeenv.sandbox.image import ensure_image
-    from codeenv.sandbox.sizing import preflight
     from codeenv.settings import QueueSettings
-    from codeenv.worker import StreamWorker
+    from codeenv.topology import prepare_jails, run_worker
 
     _setup_logging(log_format)
     logging.getLogger("codeenv").setLevel(log_level.upper())
@@ -335,31 +260,9 @@ def worker(
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     try:
-        preflight(settings, ensure_image(settings, progress=_progress).spec)
+        prepare_jails(settings, _progress)
+        run_worker(settings)
     except (CodeenvError, OSError) as exc:
-        raise _fail(str(exc)) from exc
-
-    async def go() -> None:
-        w = StreamWorker(settings)
-        await w.start()
-        loop = asyncio.get_running_loop()
-        stopping: list[asyncio.Task[None]] = []
-
-        def on_signal() -> None:
-            if stopping:
-                logging.getLogger("codeenv.worker").warning("second signal: stopping now")
-                w.force()
-            else:
-                logging.getLogger("codeenv.worker").info("stopping (a second signal forces)")
-                stopping.append(asyncio.create_task(w.stop()))
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        await w.stopped()
-
-    try:
-        asyncio.run(go())
-    except (CodeenvError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 
 

@@ -48,5 +48,15 @@ class PoolClosed(CodeenvError):
     """The slot pool is not accepting work."""
 
 
+class ApiError(CodeenvError):
+    """An HTTP request the gateway answers with an error status (a 4xx that says what to fix)."""
+
+    def __init__(self, status_code: int, detail: object, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+        self.headers = headers
+
+
 class QueueUnavailable(CodeenvError):
     """The queue (Redis, or the host's pool process) cannot be reached right now; retry later."""

@@ -17,25 +17,24 @@ import secrets
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import Enum
 from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from codeenv.api.service import SANDBOX_FUSION_STATUS, Gateway, merge, parse, refusal, validation_errors
 from codeenv.client.feedback import code_judge_reason
-from codeenv.errors import InvalidRequest
+from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status, Text
-from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
 
-#: Runs calls through the gateway (metrics, logs, a disconnecting client cancels unstarted calls).
-Answer = Callable[[Request, list[ExecRequest]], Awaitable[list[ExecResult]]]
-#: Where the gateway's middleware leaves a request's parsed JSON body.
-JSON_BODY = "codeenv.json"
+#: The routes that take a JSON body (Guard reads and parses it).
+CODE_JUDGE_JSON_PATHS = frozenset(f"/{verb}{suffix}" for verb in ("run", "judge")
+                                  for suffix in ("", "/batch", "/long-batch"))
+SANDBOX_FUSION_JSON_PATHS = frozenset({"/run_code"})
 
 
 # --- code-judge ----------------------------------------------------------------------------------
@@ -96,67 +95,59 @@ def _judge_request(sub: Submission, settings: GatewaySettings) -> ExecRequest | 
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in validation_errors(exc))
 
 
-def add_code_judge(app: FastAPI, settings: GatewaySettings, calls: CallQueue, answer: Answer) -> None:
+def code_judge_router(gateway: Gateway) -> APIRouter:
+    api = APIRouter(tags=["code-judge"])
+    settings = gateway.settings
+
     async def run_submissions(request: Request, subs: list[Submission], with_output: bool) -> list[dict[str, Any]]:
         runnable: list[ExecRequest] = []
-        slots: list[ExecResult | None] = []
+        refused: list[ExecResult | None] = []
         for sub in subs:
             sub.sub_id = sub.sub_id or str(uuid.uuid4())
             made = _judge_request(sub, settings)
             if isinstance(made, str):
-                slots.append(ExecResult(status=Status.rejected, message=made))
+                refused.append(ExecResult(status=Status.rejected, message=made))
             else:  # the queue refuses what cannot run (over a cap, bad Unicode): `rejected`
                 runnable.append(made)
-                slots.append(None)
-        ran = iter(await answer(request, runnable)) if runnable else iter(())
-        results = [slot if slot is not None else next(ran) for slot in slots]
+                refused.append(None)
+        results = merge(refused, await gateway.answer(request, runnable))
         return [_judge_result(s, r, settings.code_judge_return_chars, with_output)
                 for s, r in zip(subs, results, strict=True)]
 
-    def parse[M: BaseModel](request: Request, model: type[M]) -> M | Response:
-        try:
-            return model.model_validate(request.scope[JSON_BODY])
-        except ValidationError as exc:
-            return JSONResponse({"detail": validation_errors(exc)}, 422)
-
     def one(with_output: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            sub = parse(request, Submission)
-            if isinstance(sub, Response):
-                return sub
-            [result] = await run_submissions(request, [sub], with_output)
+            [result] = await run_submissions(request, [parse(request, Submission)], with_output)
             return JSONResponse(result)
         return endpoint
 
     def batch(with_output: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             body = parse(request, BatchSubmission)
-            if isinstance(body, Response):
-                return body
             if len(body.submissions) > settings.max_batch:
-                return JSONResponse({"detail": f"a batch holds at most {settings.max_batch} submissions"}, 422)
+                raise ApiError(422, f"a batch holds at most {settings.max_batch} submissions")
             results = await run_submissions(request, body.submissions, with_output)
             return JSONResponse({"sub_id": body.sub_id or str(uuid.uuid4()), "results": results})
         return endpoint
 
-    tags: list[str | Enum] = ["code-judge"]
     for prefix, with_output in (("/run", True), ("/judge", False)):
-        app.add_api_route(prefix, one(with_output), methods=["POST"], tags=tags,
+        api.add_api_route(prefix, one(with_output), methods=["POST"],
                           summary=f"code-judge: {prefix[1:]} one submission")
         for path in (f"{prefix}/batch", f"{prefix}/long-batch"):
             # The same here: a submission that cannot start within code_judge_queue_wait_s (< 60 s,
             # rStar2-Agent's client timeout) is answered queue_timeout and never runs.
-            app.add_api_route(path, batch(with_output), methods=["POST"], tags=tags,
+            api.add_api_route(path, batch(with_output), methods=["POST"],
                               summary=f"code-judge: {prefix[1:]} a batch of submissions")
 
-    @app.get("/ping", tags=tags)
+    @api.get("/ping")
     async def ping() -> str:
         return "pong"
 
-    @app.get("/status", tags=tags)
+    @api.get("/status")
     async def status() -> dict[str, int]:
-        stats = calls.stats()
+        stats = gateway.queue.stats()
         return {"queue": int(stats["waiting"]), "num_workers": int(stats["workers"])}
+
+    return api
 
 
 # --- SandboxFusion -------------------------------------------------------------------------------
@@ -308,15 +299,13 @@ def _fusion_response(result: ExecResult, notes: list[str], return_bytes: int,
     }
 
 
-def add_sandbox_fusion(app: FastAPI, settings: GatewaySettings, answer: Answer) -> None:
-    tags: list[str | Enum] = ["SandboxFusion"]
+def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
+    api = APIRouter(tags=["SandboxFusion"])
+    settings = gateway.settings
 
-    @app.post("/run_code", tags=tags, summary="SandboxFusion: run one program")
+    @api.post("/run_code", summary="SandboxFusion: run one program")
     async def run_code(request: Request) -> Response:
-        try:
-            body = RunCodeRequest.model_validate(request.scope[JSON_BODY])
-        except ValidationError as exc:
-            return JSONResponse({"detail": validation_errors(exc)}, 422)
+        body = parse(request, RunCodeRequest)
         if body.language not in (*PYTHON_LANGUAGES, PYTEST):
             return JSONResponse({"status": "SandboxError", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "
@@ -325,22 +314,17 @@ def add_sandbox_fusion(app: FastAPI, settings: GatewaySettings, answer: Answer) 
         try:
             call, notes, pytest_run = _fusion_request(body, settings)
         except ValidationError as exc:
-            return JSONResponse({"detail": validation_errors(exc)}, 422)
+            raise ApiError(422, validation_errors(exc)) from None
         except InvalidRequest as exc:
-            return JSONResponse({"detail": str(exc)}, 422)
-        [result] = await answer(request, [call])  # what the queue refuses comes back `rejected`: 422
-        if result.status == Status.overloaded:
-            # What SandboxFusion's clients retry (verl: only 504).
-            return JSONResponse({"detail": result.message or "overloaded"}, 504, {"Retry-After": "1"})
-        if result.status == Status.rejected:
-            return JSONResponse({"detail": result.message}, 422)
+            raise ApiError(422, str(exc)) from None
+        [result] = await gateway.answer(request, [call])  # what the queue refuses comes back `rejected`: 422
+        error = refusal(result, SANDBOX_FUSION_STATUS)
+        if error is not None:
+            raise error
         return JSONResponse(_fusion_response(result, notes, settings.sandbox_fusion_output_bytes, pytest_run))
 
-    @app.get("/v1/ping", tags=tags)
+    @api.get("/v1/ping")
     async def ping() -> str:
         return "pong"
 
-
-def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors(include_url=False, include_context=False, include_input=False)]
+    return api

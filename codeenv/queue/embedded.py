@@ -16,11 +16,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from codeenv.errors import InvalidRequest, PoolClosed
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import OnResult, notify_each, until_done_or_gone
 from codeenv.sandbox.pool import SlotPool
+from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +52,23 @@ class EmbeddedQueue:
         self._done_bytes = 0
         self._tasks: set[asyncio.Future[ExecResult]] = set()
         self._waiting_since: dict[object, float] = {}  # calls not yet dispatched, oldest first
+        self._forced = asyncio.Event()
 
     async def start(self) -> None:
         await self.pool.start()
 
     async def close(self) -> None:
-        """Let running calls finish (up to `grace_s`), then stop the pool."""
-        if self._tasks and self.grace_s > 0:
-            await asyncio.wait(list(self._tasks), timeout=self.grace_s)
+        """Let running calls finish (up to `grace_s`, or until `force()`), then stop the pool."""
+        if self._tasks and self.grace_s > 0 and not self._forced.is_set():
+            finished: asyncio.Future[Any] = asyncio.gather(*self._tasks, return_exceptions=True)
+            forced: asyncio.Future[Any] = asyncio.ensure_future(self._forced.wait())
+            await asyncio.wait([finished, forced], timeout=self.grace_s, return_when=asyncio.FIRST_COMPLETED)
+            forced.cancel()
         await self.pool.close()
+
+    def force(self) -> None:
+        """Cut a graceful close short: the calls still running are killed with the pool."""
+        self._forced.set()
 
     def stats(self) -> dict[str, float]:
         slots = len(self.pool.slots)
@@ -196,6 +206,12 @@ class EmbeddedQueue:
             logger.exception("call %s failed inside the service", request.id)
             return ExecResult(id=request.id, status=Status.internal_error, started=True,
                               message=f"the service failed on this call: {exc!r}")
+
+
+def from_settings(settings: GatewaySettings) -> EmbeddedQueue:
+    """The embedded queue of `codeenv serve`: a slot pool in this process."""
+    return EmbeddedQueue(SlotPool(settings), settings.max_queued, results_ttl_s=settings.results_ttl_s,
+                         grace_s=settings.shutdown_grace_s)
 
 
 def fingerprint(request: ExecRequest) -> str:

@@ -33,6 +33,7 @@ from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, until_done_or_gone
 from codeenv.queue.embedded import EmbeddedQueue
+from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,13 @@ class HostSocketServer:
             await asyncio.gather(*calls, return_exceptions=True)
             writer.close()
             self._connections.pop(task, None)
+
+
+def from_settings(settings: GatewaySettings) -> HostSocketQueue:
+    """A gateway's queue under `serve --processes N`: the host's pool process, on its socket."""
+    if settings.pool_socket is None:
+        raise ValueError("the host-socket queue needs settings.pool_socket")
+    return HostSocketQueue(settings.pool_socket)
 
 
 class HostSocketQueue:

@@ -54,6 +54,11 @@ ATTACH_POLL_S = 0.05
 SNAPSHOT_EVERY_S = 1.0
 
 
+def from_settings(settings: GatewaySettings) -> RedisQueue:
+    """A gateway's queue with `redis_url` set: jobs through Redis Streams to workers."""
+    return RedisQueue(settings)
+
+
 class _Call:
     """One call this gateway wrote to the stream and has not answered yet."""
 
@@ -109,7 +114,7 @@ class RedisQueue:
             self._run_id = (await self._r.info("server"))["run_id"]
             await ensure_group(self._r, self.keys)
         except RedisError as exc:
-            raise RuntimeError(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
+            raise QueueUnavailable(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
         await self._refresh_snapshot()
         self._loops = [asyncio.create_task(self._read_replies(), name="codeenv-replies"),
                        asyncio.create_task(self._watch(), name="codeenv-snapshot")]

@@ -25,7 +25,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from codeenv.errors import InvalidRequest, PoolClosed
+from codeenv.errors import InvalidRequest, PoolClosed, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.redis_protocol import (
     GROUP,
@@ -114,7 +114,7 @@ class StreamWorker:
         except RedisError as exc:
             if self._own_pool:
                 await self.pool.close()
-            raise RuntimeError(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
+            raise QueueUnavailable(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
         self._loops = [asyncio.create_task(self._claim_loop(), name="codeenv-claim"),
                        asyncio.create_task(self._heartbeat_loop(), name="codeenv-heartbeat"),
                        asyncio.create_task(self._reclaim_loop(), name="codeenv-reclaim")]

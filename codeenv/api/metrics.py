@@ -1,0 +1,61 @@
+"""Prometheus metrics of a gateway (`/metrics`)."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+from codeenv.models import ExecResult
+from codeenv.queue.base import CallQueue
+
+
+class Metrics:
+    """Prometheus metrics of a gateway. Under `serve --processes N` (PROMETHEUS_MULTIPROC_DIR set)
+    every process writes its values to files and a scrape of any process reads them all: counters
+    and histograms add up, in-flight calls add up over live processes, the queue's gauges (the same
+    host-wide figures in every process) are the most recent reading."""
+
+    STATS = (("slots", "Slots of the workers"), ("free_slots", "Slots free right now"),
+             ("slot_restarts", "Jails recycled since start"),
+             ("waiting", "Calls accepted and waiting for a slot (the queue's depth)"),
+             ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
+             ("workers", "Live workers behind this gateway"),
+             ("calls_run", "Calls the workers have run"))
+
+    def __init__(self, queue: CallQueue) -> None:
+        self.queue = queue
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.registry = CollectorRegistry()
+        self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=self.registry)
+        self.queue_s = Histogram("codeenv_queue_seconds", "Time a call waited for a slot", registry=self.registry,
+                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60))
+        self.run_s = Histogram("codeenv_run_seconds", "Wall time of a call's program", registry=self.registry,
+                               buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
+                               registry=self.registry, multiprocess_mode="livesum")
+        self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late a gateway's event loop runs a timer",
+                              registry=self.registry, multiprocess_mode="livemax")
+        self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=self.registry, multiprocess_mode="mostrecent")
+                      for key, doc in self.STATS}
+
+    def observe(self, results: list[ExecResult]) -> None:
+        for r in results:
+            self.calls.labels(r.status.value).inc()
+            if r.started:
+                self.queue_s.observe(r.queue_s)
+                self.run_s.observe(r.wall_s)
+
+    def exposition(self) -> bytes:
+        stats = self.queue.stats()
+        for key, gauge in self.stats.items():
+            gauge.set(stats[key])
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+    def process_exit(self) -> None:
+        if self.multiprocess:
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]

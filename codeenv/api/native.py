@@ -1,0 +1,196 @@
+"""The native API (`/v1/...`), health, readiness and metrics, as an APIRouter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from codeenv.api.guard import ACCEPTED, JSON_BODY
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, refusal, validation_errors
+from codeenv.errors import ApiError, QueueUnavailable
+from codeenv.models import ExecRequest, ExecResult, Status
+
+logger = logging.getLogger("codeenv.api")
+
+#: The routes that take a JSON body (Guard reads and parses it).
+JSON_PATHS = frozenset({"/v1/execute", "/v1/execute/batch", "/v1/execute/stream"})
+
+
+class BatchRequest(BaseModel):
+    """A batch of calls; each item has the shape of ExecRequest and is checked on its own."""
+
+    requests: list[ExecRequest]
+
+
+class BatchResponse(BaseModel):
+    """One result per request, in request order."""
+
+    results: list[ExecResult]
+
+
+def body_schema(model: str) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _json(result: ExecResult, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(result.encoded(), status_code, headers, media_type="application/json")
+
+
+def router(gateway: Gateway) -> APIRouter:
+    api = APIRouter()
+    settings, calls, metrics = gateway.settings, gateway.queue, gateway.metrics
+
+    @api.post("/v1/execute", response_model=ExecResult, openapi_extra=body_schema("ExecRequest"),
+              responses={422: {"description": "the request cannot be run as sent"},
+                         429: {"description": "overloaded: retry after Retry-After seconds"}})
+    async def execute(request: Request) -> Response:
+        """Run one program and return its structured result."""
+        [result] = await gateway.answer(request, [parse(request, ExecRequest)])
+        error = refusal(result, NATIVE_STATUS)
+        if error is not None and result.status == Status.rejected:
+            raise error
+        if error is not None:  # overloaded: the result itself, with the status the client retries
+            return _json(result, error.status_code, error.headers)
+        return _json(result)
+
+    def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
+        """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
+        body = request.scope[JSON_BODY]
+        items = body.get("requests") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise ApiError(422, "the body must be an object with a list under 'requests'")
+        if len(items) > settings.max_batch:
+            raise ApiError(422, f"a batch holds at most {settings.max_batch} calls; this one has {len(items)}")
+        valid: list[ExecRequest] = []
+        refused: list[ExecResult | None] = []
+        for item in items:
+            try:
+                valid.append(ExecRequest.model_validate(item))
+                refused.append(None)
+            except ValidationError as exc:
+                call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+                if call_id is not None and not _encodable(call_id):
+                    call_id = None
+                refused.append(ExecResult(id=call_id, status=Status.rejected,
+                                          message=json.dumps(validation_errors(exc))))
+        return valid, refused
+
+    @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"))
+    async def execute_batch(request: Request) -> Response:
+        """Run a batch; results come in request order. An invalid item is answered `rejected`."""
+        valid, refused = parse_batch(request)
+        results = merge(refused, await gateway.answer(request, valid))
+        payload = '{"results":[' + ",".join(r.encoded() for r in results) + "]}"
+        if results and all(r.status == Status.overloaded for r in results):
+            return Response(payload, NATIVE_STATUS[Status.overloaded], {"Retry-After": RETRY_AFTER_S},
+                            media_type="application/json")
+        return Response(payload, media_type="application/json")
+
+    @api.post("/v1/execute/stream", openapi_extra=body_schema("BatchRequest"),
+              responses={200: {"description": '{"accepted": n}, then one JSON line per call, {"i": index, '
+                                              '"result": {...}}, in the order calls end',
+                               "content": {"application/x-ndjson": {}}}})
+    async def execute_stream(request: Request) -> Response:
+        """Run a batch and stream each result as soon as its call ends (NDJSON): first
+        `{"accepted": n}` once the calls are taken, then `{"i": index, "result": {...}}` per call in
+        the order calls end, so a fast call never waits for a slow sibling. A client that hangs up
+        cancels its calls that have not started."""
+        valid, refused = parse_batch(request)
+        gone = asyncio.Event()
+        indices = [i for i, item in enumerate(refused) if item is None]
+        started = request.scope.get(ACCEPTED, time.monotonic())
+
+        async def lines() -> AsyncIterator[str]:
+            statuses: dict[str, int] = {}
+            ended: asyncio.Queue[tuple[int, ExecResult]] = asyncio.Queue()
+            metrics.in_flight.inc(len(valid))
+            left = len(valid)
+            submitted = asyncio.ensure_future(calls.submit(
+                valid, gone, started, lambda i, result: ended.put_nowait((indices[i], result))))
+            answered: set[int] = set()
+
+            def failed(task: asyncio.Future[list[ExecResult]]) -> None:
+                # submit never raises for one bad call; if it fails as a whole, answer what is left.
+                exc = None if task.cancelled() else task.exception()
+                if exc is not None:
+                    logger.error("a streamed batch failed: %r", exc)
+                    for i in indices:
+                        if i not in answered:
+                            ended.put_nowait((i, ExecResult(status=Status.internal_error, started=True,
+                                                            message=f"the service failed on this call: {exc!r}")))
+
+            submitted.add_done_callback(failed)
+            try:
+                # At once: the client learns its calls are taken (headers alone may wait for a body).
+                yield f'{{"accepted":{len(refused)}}}\n'
+                for i, item in enumerate(refused):
+                    if item is not None:
+                        yield f'{{"i":{i},"result":{item.encoded()}}}\n'
+                while left:
+                    i, result = await ended.get()
+                    if i in answered:
+                        continue
+                    answered.add(i)
+                    left -= 1
+                    metrics.in_flight.dec()
+                    metrics.observe([result])
+                    statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
+                    yield f'{{"i":{i},"result":{result.encoded()}}}\n'
+            finally:
+                gone.set()  # the client hung up (or all is sent): unstarted calls are cancelled
+                metrics.in_flight.dec(left)
+                logger.info("stream", extra={"event": "stream", "calls": len(refused), "statuses": statuses,
+                                             "ms": round(1000 * (time.monotonic() - started), 2)})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @api.get("/v1/results/{call_id:path}", response_model=ExecResult,
+             responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
+    async def result_by_id(call_id: str) -> Response:
+        """The result of a call by the client's id, kept for a while after it ends."""
+        try:
+            known, result = await calls.lookup(call_id)
+        except QueueUnavailable as exc:
+            raise ApiError(503, str(exc), {"Retry-After": RETRY_AFTER_S}) from None
+        if result is not None:
+            return _json(result)
+        if known:
+            return JSONResponse({"id": call_id, "detail": "the call is still running"}, 202)
+        raise ApiError(404, f"no call with id {call_id!r} is running or remembered")
+
+    @api.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """The process answers (cheap, even at saturation)."""
+        return {"status": "ok"}
+
+    @api.get("/readyz")
+    async def readyz() -> Response:
+        """The pool started with at least one healthy slot (with Redis: Redis answers and a live
+        worker has slots)."""
+        if calls.ready():
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False}, 503)
+
+    @api.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return api

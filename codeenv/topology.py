@@ -1,0 +1,196 @@
+"""The roles a codeenv process plays, and how they start and stop. `cli.py` parses arguments into
+settings and calls one of these.
+
+- `run_gateway`: ``codeenv serve`` — one uvicorn process over the queue the settings select, or
+  ``--processes N`` uvicorn processes over one pool process (`run_pool`, or a Redis worker).
+- `run_pool`: the host's slot pool behind ``serve --processes N`` without Redis (a Unix socket).
+- `run_worker`: ``codeenv worker`` — a Redis worker with its slot pool.
+
+Queue backends are a table of import strings (`QUEUES`), loaded on use, so that a process imports
+only the backend it runs. Every role stops in two stages (`on_stop_signals`): the first SIGTERM or
+SIGINT drains (no new work; running calls finish within the grace period), the second forces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from codeenv.settings import GatewaySettings, QueueSettings, SandboxSettings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from codeenv.queue.base import CallQueue
+    from codeenv.sandbox.image import Progress
+
+logger = logging.getLogger(__name__)
+
+#: The queue backends, by name: "module:function" building a CallQueue from GatewaySettings.
+QUEUES: Mapping[str, str] = {
+    "embedded": "codeenv.queue.embedded:from_settings",
+    "host_socket": "codeenv.queue.host_socket:from_settings",
+    "redis": "codeenv.queue.redis:from_settings",
+}
+
+
+def queue_backend(settings: GatewaySettings) -> str:
+    """Which backend the settings select: the host's pool socket, Redis, else an embedded pool."""
+    if settings.pool_socket is not None:
+        return "host_socket"
+    if settings.redis_url is not None:
+        return "redis"
+    return "embedded"
+
+
+def build_queue(settings: GatewaySettings) -> CallQueue:
+    module, _, name = QUEUES[queue_backend(settings)].partition(":")
+    factory: Callable[[GatewaySettings], CallQueue] = getattr(importlib.import_module(module), name)
+    return factory(settings)
+
+
+def gateway_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway over the queue the settings select (with Redis and `local_worker`, a worker in
+    this process too)."""
+    from codeenv.api import create_app
+
+    worker = None
+    if queue_backend(settings) == "redis" and settings.local_worker:
+        from codeenv.worker.redis import StreamWorker
+
+        worker = StreamWorker(settings)
+    return create_app(settings, build_queue(settings), worker=worker)
+
+
+def app_from_env() -> FastAPI:
+    """The gateway configured by CODEENV_* variables: what each `serve --processes N` process runs."""
+    return gateway_app(GatewaySettings())
+
+
+def prepare_jails(settings: SandboxSettings, progress: Progress | None = None) -> None:
+    """Build (or find) the image and check that this host can hold the slots, before binding
+    anything: raises CodeenvError (or OSError) saying what is missing."""
+    from codeenv.sandbox.image import ensure_image
+    from codeenv.sandbox.sizing import preflight
+
+    preflight(settings, ensure_image(settings, progress=progress).spec)
+
+
+def on_stop_signals(drain: Callable[[], None], force: Callable[[], None]) -> None:
+    """In the running event loop: the first SIGTERM or SIGINT calls `drain`, any later one `force`."""
+    signals = 0
+
+    def received() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            logger.info("stopping (a second signal forces)")
+            drain()
+        else:
+            logger.warning("second signal: stopping now")
+            force()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, received)
+
+
+# --- the roles -----------------------------------------------------------------------------------
+
+
+def run_gateway(settings: GatewaySettings, given: Mapping[str, object], log_level: str, log_format: str) -> None:
+    """``codeenv serve``. uvicorn stops in two stages itself: it stops accepting, waits for requests
+    in flight (up to the grace period), then the app's lifespan closes the queue; a second signal
+    forces."""
+    import uvicorn
+
+    if settings.processes == 1:
+        uvicorn.run(gateway_app(settings), host=settings.host, port=settings.port, log_level=log_level,
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+        return
+    _serve_processes(settings, given, log_level, log_format)
+
+
+def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log_level: str, log_format: str) -> None:
+    """N uvicorn processes in front of one pool process: `codeenv worker` with Redis, else a pool
+    serving the gateways on a Unix socket. Settings reach the processes as CODEENV_* variables."""
+    import uvicorn
+
+    for key, value in given.items():
+        os.environ[f"CODEENV_{key.upper()}"] = str(value)
+    pool_cmd: list[str] | None = None
+    if settings.redis_url is not None:
+        os.environ["CODEENV_LOCAL_WORKER"] = "false"  # the gateways; the worker runs once, below
+        if settings.local_worker:
+            pool_cmd = ["worker", "--redis", settings.redis_url]
+    else:
+        socket_path = settings.state_dir / "sockets" / f"pool-{settings.port}.sock"
+        os.environ["CODEENV_POOL_SOCKET"] = str(socket_path)
+        pool_cmd = ["pool", "--socket", str(socket_path)]
+    metrics_dir = tempfile.mkdtemp(prefix="codeenv-metrics-")
+    pool_proc = None
+    try:
+        if pool_cmd is not None:
+            pool_proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format])
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
+        uvicorn.run("codeenv.topology:app_from_env", factory=True, workers=settings.processes, host=settings.host,
+                    port=settings.port, log_level=log_level,
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+    finally:
+        if pool_proc is not None:
+            pool_proc.terminate()
+            try:
+                pool_proc.wait(settings.shutdown_grace_s + 30)
+            except subprocess.TimeoutExpired:
+                pool_proc.kill()
+                pool_proc.wait()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def run_pool(settings: GatewaySettings, socket_path: Path) -> None:
+    """The host's slot pool behind `serve --processes N` (without Redis), until a stop signal."""
+    from codeenv.queue import embedded
+    from codeenv.queue.host_socket import HostSocketServer
+
+    async def go() -> None:
+        queue = embedded.from_settings(settings)
+        server = HostSocketServer(queue, socket_path)
+        await server.start()
+        stopped = asyncio.Event()
+        closing: list[asyncio.Task[None]] = []
+
+        def drain() -> None:
+            closing.append(asyncio.create_task(server.close()))
+            closing[0].add_done_callback(lambda _: stopped.set())
+
+        on_stop_signals(drain, queue.force)
+        await stopped.wait()
+        await closing[0]
+
+    asyncio.run(go())
+
+
+def run_worker(settings: QueueSettings) -> None:
+    """``codeenv worker``: a Redis worker until a stop signal (the first stops claiming, hands
+    unstarted calls back and lets running ones finish within the grace period; the second kills)."""
+    from codeenv.worker.redis import StreamWorker
+
+    async def go() -> None:
+        worker = StreamWorker(settings)
+        await worker.start()
+        stopping: list[asyncio.Task[None]] = []
+        on_stop_signals(lambda: stopping.append(asyncio.create_task(worker.stop())), worker.force)
+        await worker.stopped()
+
+    asyncio.run(go())
