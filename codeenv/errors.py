@@ -1,13 +1,21 @@
-"""codeenv's own exceptions. User-code outcomes are never exceptions: they are `ExecResult.status`.
+"""codeenv's own exceptions, one tree. User-code outcomes are never exceptions: they are
+`ExecResult.status`. Foreign exceptions (redis, httpx, OSError) are translated where they enter,
+with ``raise ... from exc``; start-up failures are raised as one of these, never a bare RuntimeError.
 
 Hierarchy::
 
-    CodeenvError                 base of everything codeenv raises
-    ├── InvalidRequest           the caller's request cannot be run as sent (HTTP 4xx)
+    CodeenvError                 base of everything codeenv raises on purpose
+    ├── InvalidRequest           the caller's request cannot be run as sent (HTTP 422)
     │   └── LimitExceedsCap      a requested limit is above the server's configured cap
+    ├── ApiError                 an HTTP request the gateway answers with an error status
     ├── ImageError               a sandbox image is missing, malformed or failed to build
     ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
-    └── PoolClosed               the slot pool is not running (not started, or shutting down)
+    │   └── ZygoteDied           a zygote (or its nsjail) is gone; says whether its call had started
+    ├── PoolClosed               the slot pool is not running (not started, or shutting down)
+    ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
+    └── BenchError               `codeenv bench` cannot run (a bad target, a failing round)
+
+The client (`codeenv.client.errors`) has a tree of its own: it runs where the server does not.
 """
 
 
@@ -44,6 +52,14 @@ class SandboxError(CodeenvError):
     """nsjail, a cgroup or a zygote failed in a way that is codeenv's fault, not the program's."""
 
 
+class ZygoteDied(SandboxError):
+    """The zygote (or its nsjail) is gone. `started` says whether the call had started."""
+
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message)
+        self.started = started
+
+
 class PoolClosed(CodeenvError):
     """The slot pool is not accepting work."""
 
@@ -60,3 +76,7 @@ class ApiError(CodeenvError):
 
 class QueueUnavailable(CodeenvError):
     """The queue (Redis, or the host's pool process) cannot be reached right now; retry later."""
+
+
+class BenchError(CodeenvError):
+    """`codeenv bench` cannot run: a target that is down or speaks another API, a failing round."""

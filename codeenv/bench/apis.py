@@ -15,13 +15,14 @@ from typing import Any
 import httpx
 
 from codeenv.bench.workload import Call
+from codeenv.errors import BenchError
 
 APIS = ("codeenv", "codeenv-client", "code-judge", "sandbox-fusion")
 #: Outcomes where the service did not run the call: counted as errors, never as answers.
 SERVICE_ERRORS = ("http_error", "internal_error", "overloaded", "rejected")
 
 
-class TargetError(RuntimeError):
+class TargetError(BenchError):
     """A target that cannot be benchmarked (down, another API, failing); the message says which."""
 
 

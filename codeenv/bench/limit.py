@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from codeenv.bench.baseline import host_python_env
 from codeenv.bench.workload import Call
+from codeenv.errors import BenchError
 from codeenv.sandbox.image import ensure_image
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import SandboxSettings
@@ -134,7 +135,7 @@ def measure_limit(calls: list[Call], settings: SandboxSettings | None = None,
             proc.stdin.flush()
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"the warm {profile.name} interpreter died (exit {proc.wait()})")
+                raise BenchError(f"the warm {profile.name} interpreter died (exit {proc.wait()})")
             result = json.loads(line)
             report.cpu_s.append(result["cpu_s"])
             report.statuses.append(result["status"])

@@ -24,6 +24,7 @@ from codeenv.bench.runner import Part, Record, RoundResult, run_round
 from codeenv.bench.targets import is_local, target
 from codeenv.bench.traffic import Scenario, plan
 from codeenv.bench.workload import Call, Expected, expect_path_for, load_expected, load_workload
+from codeenv.errors import BenchError
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Options:
     http_timeout_s: float = 300.0
 
 
-class BenchFailed(RuntimeError):
+class BenchFailed(BenchError):
     """The bench could not run; the message says why (no traceback is shown)."""
 
 
@@ -66,7 +67,7 @@ def _limit(opts: Options, calls: list[Call], console: Console, write_expect: boo
         task = bar.add_task("", total=len(calls))
         try:
             report = measure_limit(calls, progress=lambda n: bar.update(task, completed=n))
-        except (OSError, RuntimeError, ValueError) as exc:
+        except (OSError, BenchError, ValueError) as exc:
             raise BenchFailed(f"the physical limit could not be measured: {exc}") from exc
     s = report.summary()
     console.print(f"physical limit of [bold]{opts.workload}[/]: {s['calls']} programs, {s['total_cpu_s']} s of CPU "

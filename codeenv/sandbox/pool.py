@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from codeenv.admission import admit, decoded_files
-from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError
+from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
 from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
@@ -36,7 +36,7 @@ from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote_proc import ZygoteDied, ZygoteProcess
+from codeenv.sandbox.zygote_proc import ZygoteProcess
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from codeenv.errors import SandboxError
+from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.models import LimitValues
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import JailCgroup
@@ -42,14 +42,6 @@ ATTACH_AND_EXEC = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 111; shift;
 READ_CHUNK = 65536
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 F_ADD_SEALS = 1033
-
-
-class ZygoteDied(SandboxError):
-    """The zygote (or its nsjail) is gone. `started` says whether the call had started."""
-
-    def __init__(self, message: str, started: bool) -> None:
-        super().__init__(message)
-        self.started = started
 
 
 @dataclass
