@@ -30,7 +30,7 @@ from codeenv.settings import GatewaySettings, SandboxSettings
 app = typer.Typer(help="codeenv: fast, jailed Python execution for agentic RL.", no_args_is_help=True)
 image_app = typer.Typer(help="Build and inspect sandbox images.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a cause stays on one line, whatever the width
 
 
 def _setup_logging(log_format: str) -> None:
@@ -131,7 +131,10 @@ def serve(
             prepare_jails(settings, _progress)  # refuse before binding: no image, cgroups or memory for a slot
         except (CodeenvError, OSError) as exc:
             raise _fail(str(exc)) from exc
-    run_gateway(settings, given, log_level, log_format)
+    try:
+        run_gateway(settings, given, log_level, log_format)
+    except CodeenvError as exc:
+        raise _fail(str(exc)) from exc
 
 
 @app.command()
@@ -234,7 +237,10 @@ def pool(
     from codeenv.topology import run_pool
 
     _setup_logging(log_format)
-    run_pool(GatewaySettings(), socket)
+    try:
+        run_pool(GatewaySettings(), socket)
+    except (CodeenvError, OSError) as exc:
+        raise _fail(str(exc)) from exc
 
 
 @app.command()

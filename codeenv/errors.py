@@ -12,6 +12,7 @@ Hierarchy::
     ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
     │   └── ZygoteDied           a zygote (or its nsjail) is gone; says whether its call had started
     ├── PoolClosed               the slot pool is not running (not started, or shutting down)
+    ├── PoolFailed               the pool process of `serve --processes N` kept dying: serve gives up
     ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
     └── BenchError               `codeenv bench` cannot run (a bad target, a failing round)
 
@@ -72,6 +73,10 @@ class ApiError(CodeenvError):
         self.status_code = status_code
         self.detail = detail
         self.headers = headers
+
+
+class PoolFailed(CodeenvError):
+    """The pool process behind `serve --processes N` died too often to keep restarting it."""
 
 
 class QueueUnavailable(CodeenvError):

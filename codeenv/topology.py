@@ -14,6 +14,7 @@ SIGINT drains (no new work; running calls finish within the grace period), the s
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import logging
 import math
@@ -23,10 +24,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from codeenv.errors import PoolFailed
 from codeenv.settings import GatewaySettings, QueueSettings, SandboxSettings
 
 if TYPE_CHECKING:
@@ -122,9 +126,93 @@ def run_gateway(settings: GatewaySettings, given: Mapping[str, object], log_leve
     _serve_processes(settings, given, log_level, log_format)
 
 
+#: A pool process that dies this many times within RESTART_WINDOW_S is given up on: `serve` exits.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+#: Lines of a pool process's stderr kept to say why it died.
+STDERR_TAIL = 20
+
+
+class PoolSupervisor:
+    """Runs the pool process of ``serve --processes N`` and restarts it, with backoff, when it dies
+    (the gateways reconnect by themselves). After MAX_RESTARTS deaths within RESTART_WINDOW_S it
+    gives up: `failure` says why, and `on_give_up` is called (serve then stops, and exits non-zero)."""
+
+    def __init__(self, cmd: list[str], on_give_up: Callable[[], None]) -> None:
+        self.cmd = cmd
+        self.on_give_up = on_give_up
+        self.failure: str | None = None
+        self.restarts = 0
+        self.proc: subprocess.Popen[str] | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="codeenv-pool-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._spawn()
+        self._watcher.start()
+
+    def _spawn(self) -> None:
+        proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+        self.proc = proc
+        threading.Thread(target=self._forward, args=(proc,), name="codeenv-pool-stderr", daemon=True).start()
+
+    def _forward(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the pool process logs to stderr: pass it on, keep the end
+            sys.stderr.write(line)
+            if line.strip():
+                self._tail.append(line.strip())
+
+    def _watch(self) -> None:
+        deaths: collections.deque[float] = collections.deque()
+        while True:
+            proc = self.proc
+            assert proc is not None
+            status = proc.wait()
+            if self._stopping.is_set():
+                return
+            now = time.monotonic()
+            deaths.append(now)
+            while deaths and deaths[0] < now - RESTART_WINDOW_S:
+                deaths.popleft()
+            time.sleep(0.05)  # let the stderr forwarder catch up with the last words
+            last = self._tail[-1] if self._tail else "no output"
+            cause = f"the pool process exited with status {status} ({last[:300]})"
+            if len(deaths) >= MAX_RESTARTS:
+                self.failure = f"{cause}; it died {len(deaths)} times within {RESTART_WINDOW_S:g} s: giving up"
+                logger.error("%s", self.failure, extra={"event": "pool_given_up"})
+                self.on_give_up()
+                return
+            backoff = min(8.0, 0.5 * 2 ** (len(deaths) - 1))
+            logger.error("%s; restarting it in %.1f s", cause, backoff, extra={"event": "pool_died"})
+            if self._stopping.wait(backoff):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.restarts += 1
+                self._spawn()
+
+    def stop(self, grace_s: float) -> None:
+        with self._lock:
+            self._stopping.set()
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log_level: str, log_format: str) -> None:
-    """N uvicorn processes in front of one pool process: `codeenv worker` with Redis, else a pool
-    serving the gateways on a Unix socket. Settings reach the processes as CODEENV_* variables."""
+    """N uvicorn processes in front of one supervised pool process: `codeenv worker` with Redis,
+    else a pool serving the gateways on a Unix socket. Settings reach the processes as CODEENV_*
+    variables. Raises CodeenvError if the pool process had to be given up on."""
     import uvicorn
 
     for key, value in given.items():
@@ -139,23 +227,23 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
         os.environ["CODEENV_POOL_SOCKET"] = str(socket_path)
         pool_cmd = ["pool", "--socket", str(socket_path)]
     metrics_dir = tempfile.mkdtemp(prefix="codeenv-metrics-")
-    pool_proc = None
+    supervisor = None
     try:
         if pool_cmd is not None:
-            pool_proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format])
+            # On giving up, stop the gateways as a first SIGTERM would: serve then exits non-zero.
+            supervisor = PoolSupervisor([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format],
+                                        on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM))
+            supervisor.start()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
         uvicorn.run("codeenv.topology:app_from_env", factory=True, workers=settings.processes, host=settings.host,
                     port=settings.port, log_level=log_level,
                     timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
     finally:
-        if pool_proc is not None:
-            pool_proc.terminate()
-            try:
-                pool_proc.wait(settings.shutdown_grace_s + 30)
-            except subprocess.TimeoutExpired:
-                pool_proc.kill()
-                pool_proc.wait()
+        if supervisor is not None:
+            supervisor.stop(settings.shutdown_grace_s + 30)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if supervisor is not None and supervisor.failure is not None:
+        raise PoolFailed(supervisor.failure)
 
 
 def run_pool(settings: GatewaySettings, socket_path: Path) -> None:

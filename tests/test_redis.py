@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -441,3 +442,43 @@ async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: Redis
         if worker is not None:
             await queue.close()
             await worker.stop()
+
+
+async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
+        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+    """The result write is shielded: SIGTERM to a worker (with no grace for running calls) while
+    its result write keeps failing still lets the result reach the gateway once Redis takes it."""
+    worker = WorkerProcess(redis_server, prefix, 300, tmp_path / "w.log")
+    worker.env["CODEENV_SHUTDOWN_GRACE_S"] = "0"
+    await worker.start()
+    r = aioredis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        await wait_for_workers(redis_server, prefix, 1)
+        call = asyncio.ensure_future(gateway.submit([ExecRequest(
+            code="import time\ntime.sleep(0.5)\nprint('kept')", id="kept-1")]))
+        deadline = time.monotonic() + 30
+        while not [k async for k in r.scan_iter(f"{prefix}:started:*")]:
+            assert time.monotonic() < deadline, "the call never started"
+            await asyncio.sleep(0.02)
+        # Result writes (the only LPUSH, inside the finish script) now fail; claims do not.
+        await r.execute_command("ACL", "SETUSER", "default", "-lpush")
+        [name] = [k.split(":", 2)[2] async for k in r.scan_iter(f"{prefix}:alive:*")]
+        while json.loads(await r.hget(f"{prefix}:workers", name) or "{}").get("free") != 2:
+            assert time.monotonic() < deadline, "the call never ended"
+            await asyncio.sleep(0.02)  # the call has ended: its result write is failing and retried
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGTERM)
+        while not any("results before stopping" in e.get("message", "") for e in worker.events()):
+            assert worker.proc.returncode is None, "the worker stopped without writing the result"
+            assert time.monotonic() < deadline, "the worker never waited for its result write"
+            await asyncio.sleep(0.05)
+        assert not call.done()
+        await r.execute_command("ACL", "SETUSER", "default", "+lpush")
+        [result] = await asyncio.wait_for(call, 60)
+        assert (result.status, result.stdout, result.started) == ("ok", "kept\n", True), result
+        assert await worker.stop() == 0
+    finally:
+        await r.execute_command("ACL", "SETUSER", "default", "+lpush")
+        await r.aclose()
+        if worker.proc is not None and worker.proc.returncode is None:
+            worker.kill()

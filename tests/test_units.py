@@ -15,7 +15,8 @@ from codeenv.errors import ImageError
 from codeenv.sandbox.image import Profile, content_hash, find_spec
 from codeenv.sandbox.routing import choose_profile, imported_modules
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote_proc import Outcome
+from codeenv.sandbox.zygote import frame, unframe
+from codeenv.sandbox.zygote_proc import Exited, Outcome
 from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
 
 
@@ -118,7 +119,24 @@ def test_content_hash_sees_content_modes_and_links(tmp_path: Path) -> None:
 def _outcome(wait_status: int, **kw: object) -> Outcome:
     exited = {"wait_status": wait_status, "wall_s": 0.1, "cpu_s": 0.05, "timed_out": False, "killed": False}
     exited.update(kw.pop("exited", {}))  # type: ignore[arg-type]
-    return Outcome(started=True, exited=exited, **kw)  # type: ignore[arg-type]
+    return Outcome(started=True, exited=Exited.parse(exited), **kw)  # type: ignore[arg-type]
+
+
+def test_exited_message_is_checked() -> None:
+    assert Exited.parse({"op": "exited", "wait_status": 256, "cpu_s": 1, "timed_out": True}) == Exited(
+        wait_status=256, cpu_s=1.0, timed_out=True)
+    assert Exited.parse({"refused": "no"}).refused == "no" and not Exited.parse({"killed": "yes"}).killed
+    for bad in ({"wait_status": "0"}, {"cpu_s": [1]}, {"maxrss_kb": True}):
+        with pytest.raises(ValueError):
+            Exited.parse(bad)
+
+
+def test_framing_round_trips_and_refuses_what_is_not_a_frame() -> None:
+    data = frame({"a": [1, "é"]})
+    assert unframe(data + b"rest", 1 << 10) == ({"a": [1, "é"]}, len(data))
+    for bad in (b"", b"\x05\x00\x00\x00{}", frame({"a": "x" * 100}, 50), frame({"big": "x" * 100})):
+        with pytest.raises(ValueError):
+            unframe(bad, 64)
 
 
 def test_verdicts() -> None:

@@ -10,6 +10,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -82,13 +83,17 @@ class EmbeddedQueue:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
-                     accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
+                     accepted_at: float | None = None, on_result: OnResult | None = None, *,
+                     before_start: Callable[[int], Awaitable[None]] | None = None) -> list[ExecResult]:
+        """As CallQueue.submit; `before_start(index)` is awaited once a call holds its slot, before it
+        starts (the host's pool process tells the gateway there, so that a call is provably
+        unstarted until then)."""
         accepted = time.monotonic() if accepted_at is None else accepted_at
         self._forget_expired()
         room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
         work: list[Awaitable[ExecResult]] = []
         cancellable: list[tuple[int, list[bool]]] = []  # (index in work, set once dispatched)
-        for request in requests:
+        for index, request in enumerate(requests):
             if request.id is not None and (request.id in self._running or request.id in self._done):
                 work.append(self._attach(request))
             elif room > 0:
@@ -102,7 +107,8 @@ class EmbeddedQueue:
                     future.add_done_callback(lambda f: f.cancelled() or f.exception())
                     self._running[request.id] = (fingerprint(request), future)
                 dispatched: list[bool] = []
-                work.append(self._tracked(request, future, dispatched, accepted))
+                hook = functools.partial(before_start, index) if before_start is not None else None
+                work.append(self._tracked(request, future, dispatched, accepted, hook))
                 if request.id is None:
                     cancellable.append((len(work) - 1, dispatched))
             else:
@@ -136,7 +142,8 @@ class EmbeddedQueue:
                           message=f"more than {self.max_queued} calls are waiting; retry later")
 
     async def _tracked(self, request: ExecRequest, future: asyncio.Future[ExecResult] | None,
-                       dispatched: list[bool], accepted: float) -> ExecResult:
+                       dispatched: list[bool], accepted: float,
+                       before_start: Callable[[], Awaitable[None]] | None = None) -> ExecResult:
         token = object()
         self._waiting_since[token] = accepted
 
@@ -145,7 +152,7 @@ class EmbeddedQueue:
             self._waiting_since.pop(token, None)
 
         try:
-            result = await self._one(request, on_dispatch, accepted)
+            result = await self._one(request, on_dispatch, accepted, before_start)
             if request.id is not None and future is not None:
                 fingerprint, _ = self._running.pop(request.id)
                 future.set_result(result)
@@ -195,9 +202,11 @@ class EmbeddedQueue:
             del self._done[call_id]
             self._done_bytes -= size
 
-    async def _one(self, request: ExecRequest, on_dispatch: Callable[[], None], accepted: float) -> ExecResult:
+    async def _one(self, request: ExecRequest, on_dispatch: Callable[[], None], accepted: float,
+                   before_start: Callable[[], Awaitable[None]] | None = None) -> ExecResult:
         try:
-            return await self.pool.run(request, on_dispatch=on_dispatch, accepted_at=accepted)
+            return await self.pool.run(request, on_dispatch=on_dispatch, accepted_at=accepted,
+                                       before_start=before_start)
         except InvalidRequest as exc:
             return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
         except PoolClosed as exc:

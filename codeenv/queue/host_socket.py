@@ -13,7 +13,11 @@ Usage::
 Frames are a 4-byte big-endian length and UTF-8 text. Gateway -> pool: a JSON object with ``op``
 (``submit`` with ``requests``, ``cancel``, ``lookup`` with ``id``) and a request number ``n``.
 Pool -> gateway: a JSON header line (``{"n": ...}`` answering a request, or ``{"stats": {...}}``)
-followed by one result per line, each as the pool encoded it (results are never re-encoded). A
+followed by one result per line, each as the pool encoded it (results are never re-encoded); and
+``{"n": ..., "started": i}`` when call ``i`` of batch ``n`` holds its slot, written to the socket
+before the call starts. So if the pool process dies, a gateway knows which of its calls provably
+never started (answered ``overloaded``, ``started: false``: the client re-sends them) and which may
+have (``internal_error``, ``started: true``); it then reconnects to the restarted pool process. A
 gateway that goes away cancels its calls that have not started, as a disconnecting client does.
 """
 
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import struct
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from codeenv.errors import QueueUnavailable
@@ -86,12 +92,20 @@ class HostSocketServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
+        writer.transport.set_write_buffer_limits(0)  # drain() returns once all is in the kernel
         gone: dict[int, asyncio.Event] = {}
         calls: set[asyncio.Task[None]] = set()
 
+        async def started(n: int, index: int) -> None:
+            # In the kernel's socket buffer before the call starts: it reaches the gateway even if
+            # this process dies right after.
+            writer.write(_frame(f'{{"n":{n},"started":{index}}}'))
+            await writer.drain()
+
         async def submit(n: int, requests: list[ExecRequest], event: asyncio.Event, accepted: float | None) -> None:
             try:
-                results = await self.queue.submit(requests, event, accepted)
+                results = await self.queue.submit(requests, event, accepted,
+                                                  before_start=functools.partial(started, n))
             except asyncio.CancelledError:
                 return  # cancelled by the gateway: nobody waits for an answer
             finally:
@@ -139,42 +153,73 @@ def from_settings(settings: GatewaySettings) -> HostSocketQueue:
     return HostSocketQueue(settings.pool_socket)
 
 
-class HostSocketQueue:
-    """A gateway's side of HostSocketServer: the CallQueue interface over a Unix socket."""
+@dataclass
+class _Batch:
+    """A batch sent to the pool process and not yet answered."""
 
-    def __init__(self, path: Path, connect_timeout_s: float = 300.0) -> None:
+    requests: Sequence[ExecRequest]
+    future: asyncio.Future[list[str]]
+    started: set[int] = field(default_factory=set)
+
+
+class HostSocketQueue:
+    """A gateway's side of HostSocketServer: the CallQueue interface over a Unix socket. If the pool
+    process goes away, the calls it held are answered at once (see the module docstring) and the
+    queue reconnects in the background; meanwhile it is not ready and new calls are overloaded."""
+
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.connect_timeout_s = connect_timeout_s
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._next = 0
-        self._waiting: dict[int, asyncio.Future[list[str]]] = {}
+        self._waiting: dict[int, _Batch] = {}
+        self._lookups: dict[int, asyncio.Future[list[str]]] = {}
         self._stats: dict[str, float] = {}
         self._ready = False
         self._lost = False
+        self._closing = False
+        self._reconnecting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        async with asyncio.timeout(self.connect_timeout_s):
-            while True:  # the pool process may still be starting its jails
-                try:
-                    reader, self._writer = await asyncio.open_unix_connection(str(self.path))
-                    break
-                except (FileNotFoundError, ConnectionRefusedError):
-                    await asyncio.sleep(0.1)
+        """Connect if the pool process is up; else keep trying in the background (it may still be
+        starting its jails, or restarting): until then the queue is not ready and calls are
+        answered overloaded."""
+        try:
+            await self._open()
+        except (FileNotFoundError, ConnectionRefusedError):
+            self._lost = True
+            self._reconnect_soon()
+
+    async def _open(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(str(self.path))
+        self._lost = False
         self._reader_task = asyncio.create_task(self._read(reader))
 
+    async def _connect(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self._open()
+                logger.info("connected to the pool process at %s", self.path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            await asyncio.gather(self._reader_task, return_exceptions=True)
+        self._closing = True
+        for task in (self._reader_task, self._reconnecting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._writer is not None:
             self._writer.close()
 
     def ready(self) -> bool:
-        return self._ready
+        return self._ready and not self._lost
 
     def stats(self) -> dict[str, float]:
-        return self._stats or NO_STATS
+        return self._stats if self._stats and not self._lost else NO_STATS
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
@@ -187,45 +232,53 @@ class HostSocketQueue:
     async def _submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None,
                       accepted_at: float | None) -> list[ExecResult]:
         accepted = time.monotonic() if accepted_at is None else accepted_at
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        batch = _Batch(requests, future)
         try:
-            n, future = self._send(f'"op":"submit","t":{accepted!r},"requests":['
-                                   + ",".join(r.model_dump_json() for r in requests) + "]")
+            n = self._send(f'"op":"submit","t":{accepted!r},"requests":['
+                           + ",".join(r.model_dump_json() for r in requests) + "]")
         except ConnectionError as exc:
             return [ExecResult(id=r.id, status=Status.overloaded, started=False, message=f"{exc}; retry later")
                     for r in requests]
+        self._waiting[n] = batch
         try:
             lines = await self._wait(n, future, gone)
         except ConnectionError as exc:
             return [ExecResult(id=r.id, status=Status.internal_error, started=True,
-                               message=f"{exc} while the call was with it; it may have run") for r in requests]
+                               message=f"{exc} while the call was with it; it may have run, so it is not run again")
+                    if i in batch.started else
+                    ExecResult(id=r.id, status=Status.overloaded, started=False,
+                               message=f"{exc} before the call started; it did not run: send it again")
+                    for i, r in enumerate(requests)]
         return [ExecResult.from_json(line) for line in lines]
 
     async def _wait(self, n: int, future: asyncio.Future[list[str]], gone: asyncio.Event | None) -> list[str]:
         def cancel() -> None:
             self._waiting.pop(n, None)
             future.cancel()
-            self._send('"op":"cancel"', n)
+            with contextlib.suppress(ConnectionError):
+                self._send('"op":"cancel"', n)
 
         return await until_done_or_gone(future, gone, cancel)
 
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         try:
-            _, future = self._send('"op":"lookup","id":' + json.dumps(call_id))
+            n = self._send('"op":"lookup","id":' + json.dumps(call_id))
+            self._lookups[n] = future
             header, *rest = await future
         except ConnectionError as exc:
             raise QueueUnavailable(str(exc)) from exc
         result = ExecResult.from_json(rest[0]) if rest and rest[0] else None
         return bool(json.loads(header)["known"]), result
 
-    def _send(self, body: str, n: int | None = None) -> tuple[int, asyncio.Future[list[str]]]:
+    def _send(self, body: str, n: int | None = None) -> int:
         if self._writer is None or self._writer.is_closing() or self._lost:
             raise ConnectionError(f"the pool process at {self.path} is gone")
-        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         if n is None:
             n = self._next = self._next + 1
-            self._waiting[n] = future
         self._writer.write(_frame(f'{{"n":{n},{body}}}'))
-        return n, future
+        return n
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -235,15 +288,37 @@ class HostSocketQueue:
                 if "stats" in head:
                     self._stats, self._ready = head["stats"], head["ready"]
                     continue
-                future = self._waiting.pop(head["n"], None)
-                if future is not None and not future.done():
-                    future.set_result([header, rest] if "known" in head else (rest.split("\n") if rest else []))
+                if "started" in head:
+                    batch = self._waiting.get(head["n"])
+                    if batch is not None:
+                        batch.started.add(int(head["started"]))
+                    continue
+                if "known" in head:
+                    lookup = self._lookups.pop(head["n"], None)
+                    if lookup is not None and not lookup.done():
+                        lookup.set_result([header, rest])
+                    continue
+                answered = self._waiting.pop(head["n"], None)
+                if answered is not None and not answered.future.done():
+                    answered.future.set_result(rest.split("\n") if rest else [])
         except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
             self._ready, self._lost = False, True
             if self._writer is not None:
                 self._writer.close()
-            logger.error("lost the pool process: %s", exc)
-            for future in self._waiting.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("the pool process went away"))
+            logger.error("lost the pool process: %s; reconnecting", exc)
+            for batch in self._waiting.values():
+                if not batch.future.done():
+                    batch.future.set_exception(ConnectionError("the pool process went away"))
+            for lookup in self._lookups.values():
+                if not lookup.done():
+                    lookup.set_exception(ConnectionError("the pool process went away"))
             self._waiting.clear()
+            self._lookups.clear()
+            if not self._closing:
+                asyncio.get_running_loop().call_soon(self._reconnect_soon)
+
+    def _reconnect_soon(self) -> None:
+        if self._closing:
+            return
+        self._reconnecting = asyncio.create_task(self._connect(), name="codeenv-pool-reconnect")
+        self._reconnecting.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -15,13 +15,12 @@ from nsjail.enums import LogLevel, Mode
 from nsjail.serializers.textproto import to_textproto
 
 from codeenv.sandbox.image import SANDBOX_UID, Image, Profile
+from codeenv.sandbox.zygote import CTL_FD
 from codeenv.settings import SandboxSettings
 
 #: Where the zygote's directory is mounted inside the jail, and the work dir.
 ZYGOTE_DIR = "/usr/lib/codeenv"
 WORKDIR = "/work"
-CTL_FD = 3
-REPORT_BYTES = 64 << 10
 
 # Refused with an errno rather than a kill: libraries probe some of these (multiprocessing probes
 # SysV semaphores, psutil probes netlink), and a clear errno is a better answer than a dead child.

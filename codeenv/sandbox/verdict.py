@@ -54,15 +54,15 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
     if out.setup_error is not None:
         result.message = f"the sandbox could not set up the call: {out.setup_error}"
         return result
-    if exited.get("refused"):
-        result.message = f"the sandbox refused the call: {exited['refused']}"
+    if exited.refused is not None:
+        result.message = f"the sandbox refused the call: {exited.refused}"
         return result
 
-    wait_status = int(exited.get("wait_status", 0))
-    result.wall_s = round(float(exited.get("wall_s", out.wall_s)), 6)
-    result.cpu_s = round(float(exited.get("cpu_s", 0.0)), 6)
-    if result.memory_peak_kb is None and isinstance(exited.get("maxrss_kb"), int):
-        result.memory_peak_kb = exited["maxrss_kb"]
+    wait_status = exited.wait_status
+    result.wall_s = round(exited.wall_s, 6)
+    result.cpu_s = round(exited.cpu_s, 6)
+    if result.memory_peak_kb is None and exited.maxrss_kb is not None:
+        result.memory_peak_kb = exited.maxrss_kb
     if os.WIFSIGNALED(wait_status):
         result.signal = os.WTERMSIG(wait_status)
     elif os.WIFEXITED(wait_status):
@@ -76,7 +76,7 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
     elif out.oom_killed or error_type == "MemoryError":
         result.status, result.limit = Status.memory, LimitName.memory
         result.message = f"the call exceeded its memory limit of {limits.memory_mb} MB"
-    elif exited.get("timed_out"):
+    elif exited.timed_out:
         result.status, result.limit = Status.timeout, LimitName.wall
         result.message = f"the call exceeded its wall-clock limit of {limits.wall_s:g}s"
     elif result.signal == signals.SIGXCPU or (
@@ -84,7 +84,7 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
     ):
         result.status, result.limit = Status.timeout, LimitName.cpu
         result.message = f"the call exceeded its CPU-time limit of {limits.cpu_s:g}s"
-    elif exited.get("killed"):
+    elif exited.killed:
         result.status = Status.killed
         result.message = "the call was stopped by the service"
     elif result.signal is not None:

@@ -33,6 +33,7 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
     worker -> zygote  {"op": "ping"}  ->  {"op": "pong"}        liveness
 """
 
+import errno
 import gc
 import json
 import os
@@ -45,16 +46,52 @@ import sys
 import time
 from posix import _exit as _hard_exit  # bound here: a program may replace os._exit
 
+# --- the protocol: what the worker (zygote_proc.py) and the zygote must agree on ---------------
+
+#: The control socket's fd number in the jail (nsjail passes it through under the same number).
 CTL_FD = 3
+#: Largest control message, either way.
 MAX_MSG = 65536
+#: Size of a call's report and setup memfds. The setup memfd's last byte is the "started" mark.
+REPORT_BYTES = 64 << 10
+
+
+class CallFd:
+    """Positions of a call's fds in its "run" message (SCM_RIGHTS)."""
+
+    CODE, STDIN, STDOUT, STDERR, REPORT, SETUP = range(6)
+    FILES_IN, FETCH_LIST, FETCH_OUT = range(6, 9)  # only when the call has files in or out
+    COUNTS = (6, 9)  # a call sends one of these many fds
+
+
+def frame(obj: object, limit: int | None = None) -> bytes:
+    """Length-prefixed JSON, the one framing of the protocol's memfds: a 4-byte little-endian length,
+    then the JSON, cut to `limit` bytes in all (a cut frame does not parse, and reads as nothing)."""
+    data = json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode()
+    if limit is not None:
+        data = data[: limit - 4]
+    return len(data).to_bytes(4, "little") + data
+
+
+def unframe(buf: bytes, limit: int) -> tuple[object, int]:
+    """(the object, the offset after it) of the frame at the start of `buf`; ValueError unless it is
+    a whole frame of at most `limit` bytes."""
+    size = int.from_bytes(bytes(buf[:4]), "little")
+    if len(buf) < 4 or not 0 < size <= limit - 4 or 4 + size > len(buf):
+        raise ValueError(f"no frame of at most {limit} bytes")
+    return json.loads(bytes(buf[4 : 4 + size])), 4 + size
+
+
+def read_frame(fd: int, limit: int) -> object:
+    """The object of the frame at the start of the memfd `fd` (ValueError if there is none)."""
+    return unframe(os.pread(fd, limit, 0), limit)[0]
+
+
 FILENAME = "main.py"
 #: Environment the zygote's interpreter start-up needs but a program should not inherit.
 ZYGOTE_ONLY_ENV = ("PYTHONMALLOC", "GLIBC_TUNABLES")
 #: Exit code of a child whose setup (before user code) failed; the setup memfd says why.
 SETUP_FAILED = 125
-#: A call's fds: code, stdin, stdout, stderr, report, setup; with files also files-in, fetch list
-#: and fetch-out.
-CALL_FDS = (6, 9)
 #: Where fetched files' contents start in the fetch-out memfd (a JSON index comes first).
 FETCH_DATA_AT = 256 << 10
 #: Time the collector has to copy the fetched files (the worker waits for "exited" meanwhile).
@@ -198,9 +235,8 @@ def _workdir_usage():
 
 
 def _write_report(report, obj):
-    data = json.dumps(obj, ensure_ascii=True).encode()[: len(report) - 4]
-    report[:4] = len(data).to_bytes(4, "little")
-    report[4 : 4 + len(data)] = data
+    data = frame(obj, len(report))
+    report[: len(data)] = data
 
 
 def _exception_report(exc):
@@ -318,13 +354,13 @@ def _spare(sock):
         os.closerange(sock.fileno() + 1, 1 << 20)
         main = _prepare()
         data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
-        if not data or len(fds) not in CALL_FDS:
+        if not data or len(fds) not in CallFd.COUNTS:
             _hard_exit(SETUP_FAILED)
         msg = json.loads(data)
         sock.close()
     except BaseException as exc:
-        if len(fds) in CALL_FDS:
-            _report_setup_error(fds[5], exc)
+        if len(fds) in CallFd.COUNTS:
+            _report_setup_error(fds[CallFd.SETUP], exc)
         _hard_exit(SETUP_FAILED)
     _child(fds, msg, main)
 
@@ -334,30 +370,41 @@ def _read_all(fd):
     return os.pread(fd, size, 0) if size else b""
 
 
-def _write_files(files_fd):
-    """In the child, before user code: write the call's input files into the work dir.
-
-    The memfd holds a 4-byte index length, a JSON index [[path, size], ...] and the contents. Paths
-    were checked by the worker (relative, no "..", no NUL); directories are made as needed and no
-    link is followed.
-    """
-    blob = _read_all(files_fd)
-    if not blob:
-        return
-    size = int.from_bytes(blob[:4], "little")
-    offset = 4 + size
-    for path, length in json.loads(blob[4:offset]):
-        *dirs, name = path.split("/")
-        fd = os.open(_config["workdir"], os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in dirs:
+def _dir_beneath(dirs, create):
+    """An fd of the directory `dirs` (a list of names) under the work dir, made if `create`; no link
+    is followed on the way."""
+    fd = os.open(_config["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in dirs:
+            if create:
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
                 except FileExistsError:
                     pass
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_files(files_fd):
+    """In the child, before user code: write the call's input files into the work dir.
+
+    The memfd holds a frame with the index [[path, size], ...], then the contents. Paths were
+    checked by the worker (relative, no "..", no NUL); directories are made as needed and no link
+    is followed.
+    """
+    blob = _read_all(files_fd)
+    if not blob:
+        return
+    index, offset = unframe(blob, len(blob))
+    for path, length in index:
+        *dirs, name = path.split("/")
+        fd = _dir_beneath(dirs, create=True)
+        try:
             out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                           dir_fd=fd)
             try:
@@ -374,12 +421,8 @@ def _write_files(files_fd):
 def _open_beneath(path):
     """Open a file under the work dir without following any link (a FIFO does not block)."""
     *dirs, name = path.split("/")
-    fd = os.open(_config["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    fd = _dir_beneath(dirs, create=False)
     try:
-        for part in dirs:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
         return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)
     finally:
         os.close(fd)
@@ -403,7 +446,7 @@ def _fetch_files(list_fd, out_fd):
             errors[path] = "no such file"
             continue
         except OSError as exc:
-            errors[path] = "a symbolic link" if exc.errno == 40 else f"cannot open: {os.strerror(exc.errno)}"
+            errors[path] = "a symbolic link" if exc.errno == errno.ELOOP else f"cannot open: {os.strerror(exc.errno)}"
             continue
         try:
             st = os.fstat(fd)
@@ -423,18 +466,17 @@ def _fetch_files(list_fd, out_fd):
             files[path] = [start, offset - start]
         finally:
             os.close(fd)
-    index = json.dumps({"files": files, "errors": errors}).encode()
-    if len(index) > FETCH_DATA_AT - 4:
-        index = json.dumps({"files": {}, "errors": {p: "too many files to fetch" for p in paths}}).encode()
-    os.pwrite(out_fd, len(index).to_bytes(4, "little") + index, 0)
+    index = frame({"files": files, "errors": errors})
+    if len(index) > FETCH_DATA_AT:
+        index = frame({"files": {}, "errors": {p: "too many files to fetch" for p in paths}})
+    os.pwrite(out_fd, index, 0)
 
 
 def _report_setup_error(setup_fd, exc):
     # The setup memfd is closed before user code runs, so only a real setup failure (never the
     # program) can report one: the worker turns it into internal_error.
     try:
-        data = json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"[:2000]}).encode()
-        os.pwrite(setup_fd, len(data).to_bytes(4, "little") + data, 0)
+        os.pwrite(setup_fd, frame({"setup_error": f"{type(exc).__name__}: {exc}"[:2000]}, REPORT_BYTES - 1), 0)
     except BaseException:
         pass
 
@@ -443,16 +485,17 @@ def _child(fds, limits, main=None):
     """Runs in the forked child; never returns."""
     import mmap
 
-    code_fd, stdin_fd, out_fd, err_fd, report_fd, setup_fd = fds[:6]
+    code_fd, stdin_fd, out_fd, err_fd = fds[CallFd.CODE], fds[CallFd.STDIN], fds[CallFd.STDOUT], fds[CallFd.STDERR]
+    report_fd, setup_fd = fds[CallFd.REPORT], fds[CallFd.SETUP]
     report = None
     try:
         if main is None:
             main = _prepare()
-        report = mmap.mmap(report_fd, limits["report_bytes"])
+        report = mmap.mmap(report_fd, REPORT_BYTES)
         size = os.fstat(code_fd).st_size
         code = os.pread(code_fd, size, 0) if size else b""
-        if len(fds) > 6:
-            _write_files(fds[6])
+        if len(fds) > CallFd.FILES_IN:
+            _write_files(fds[CallFd.FILES_IN])
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
@@ -634,16 +677,16 @@ def _take_spare():
 
 def _run(ctl, data, msg, fds, baseline):
     seq = msg["seq"]
-    if len(fds) not in CALL_FDS:
+    if len(fds) not in CallFd.COUNTS:
         for fd in fds:
             os.close(fd)
-        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected 6 or 9 fds, got {len(fds)}"})
+        _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected {CallFd.COUNTS} fds, got {len(fds)}"})
         _send(ctl, {"op": "ready", "seq": seq, "clean": True, "spare": _spare_child is not None})
         return
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     # Before the fork, the mark that the call may have started: the worker reads it only if this
     # zygote dies or hangs, to tell a call it can safely run elsewhere from one it must not rerun.
-    os.pwrite(fds[5], b"\x01", msg["report_bytes"] - 1)
+    os.pwrite(fds[CallFd.SETUP], b"\x01", REPORT_BYTES - 1)
     t0 = time.monotonic()
     spare = _take_spare()
     if spare is not None:
@@ -664,23 +707,23 @@ def _run(ctl, data, msg, fds, baseline):
             finally:
                 _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
         pidfd = os.pidfd_open(pid)
-    fetch = fds[7:]  # the fetch list and fetch-out memfds stay for the collector
-    for fd in fds[:7]:
+    fetch = fds[CallFd.FETCH_LIST:]  # the fetch list and fetch-out memfds stay for the collector
+    for fd in fds[:CallFd.FETCH_LIST]:
         os.close(fd)
     deadline = t0 + msg["wall_s"]
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(ctl, select.POLLIN)
     timed_out = killed = False
-    exited = False
-    while not exited:
+    ended = False
+    while not ended:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             timed_out = True
             break
         for fd, _ in poller.poll(max(1, int(remaining * 1000 + 0.999))):
             if fd == pidfd:
-                exited = True
+                ended = True
             elif fd == ctl.fileno():
                 try:
                     data = ctl.recv(MAX_MSG)
@@ -695,7 +738,7 @@ def _run(ctl, data, msg, fds, baseline):
                 elif op == "ping":
                     _send(ctl, {"op": "pong"})
     wall = time.monotonic() - t0
-    if not exited:
+    if not ended:
         os.kill(-1, signal.SIGKILL)
     _, status, usage = os.wait4(pid, 0)
     os.close(pidfd)

@@ -25,15 +25,14 @@ from typing import Any
 
 from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.models import LimitValues
-from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
-from codeenv.sandbox.jail import REPORT_BYTES, WORKDIR, config_text, jail_config
+from codeenv.sandbox.jail import WORKDIR, config_text, jail_config
+from codeenv.sandbox.zygote import FETCH_DATA_AT, MAX_MSG, REPORT_BYTES, CallFd, frame, read_frame
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
 
-MAX_MSG = 65536
 #: Processes of an idle jail: nsjail and the zygote.
 JAIL_PIDS = 2
 #: argv: procs files to join, "--", then the command to exec.
@@ -44,12 +43,44 @@ F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
 F_ADD_SEALS = 1033
 
 
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The zygote's "exited" message: every process of the call is gone. It comes out of the jail,
+    so it is checked like any untrusted input (a field of the wrong type is a malformed message)."""
+
+    wait_status: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    maxrss_kb: int | None = None
+    timed_out: bool = False  # the zygote's own timer ended the call
+    killed: bool = False  # the worker asked the zygote to stop it
+    refused: str | None = None  # the zygote refused the call (it never started)
+    ready: bool = False  # also "ready": the traces are wiped already
+    clean: bool = False
+    spare: bool = False
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Exited:
+        def number(key: str, kind: type[int] | type[float], default: Any) -> Any:
+            value = msg.get(key, default)
+            if value is default or (isinstance(value, int | float) and not isinstance(value, bool)):
+                return value if value is default else kind(value)
+            raise ValueError(f"'exited' has a bad {key}: {value!r}")
+
+        refused = msg.get("refused")
+        return cls(wait_status=number("wait_status", int, 0), wall_s=number("wall_s", float, 0.0),
+                   cpu_s=number("cpu_s", float, 0.0), maxrss_kb=number("maxrss_kb", int, None),
+                   timed_out=msg.get("timed_out") is True, killed=msg.get("killed") is True,
+                   refused=str(refused)[:500] if refused is not None else None,
+                   ready=msg.get("ready") is True, clean=msg.get("clean") is True, spare=msg.get("spare") is True)
+
+
 @dataclass
 class Outcome:
     """What the worker observed of one call, before classification."""
 
     started: bool = False
-    exited: dict[str, Any] | None = None
+    exited: Exited | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     stdout_truncated: bool = False
@@ -101,9 +132,8 @@ def _started_mark(setup_fd: int) -> bool:
 
 
 def _pack_files(files: list[tuple[str, bytes]]) -> bytes:
-    """Input files as the child reads them: index length, JSON index [[path, size], ...], contents."""
-    index = json.dumps([[path, len(data)] for path, data in files]).encode()
-    return len(index).to_bytes(4, "little") + index + b"".join(data for _, data in files)
+    """Input files as the child reads them: a frame with the index [[path, size], ...], then the contents."""
+    return frame([[path, len(data)] for path, data in files]) + b"".join(data for _, data in files)
 
 
 def _read_fetched(fd: int, asked: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
@@ -112,13 +142,15 @@ def _read_fetched(fd: int, asked: list[str]) -> tuple[dict[str, bytes], dict[str
     files: dict[str, bytes] = {}
     errors: dict[str, str] = {}
     try:
-        size = int.from_bytes(os.pread(fd, 4, 0), "little")
-        index = json.loads(os.pread(fd, size, 4)) if 0 < size < zygote_module.FETCH_DATA_AT - 4 else {}
+        try:
+            index: Any = read_frame(fd, FETCH_DATA_AT)
+        except ValueError:
+            index = {}
         end = os.fstat(fd).st_size
         for path in asked:
             where = index.get("files", {}).get(path)
             if (isinstance(where, list) and len(where) == 2 and all(isinstance(v, int) for v in where)
-                    and zygote_module.FETCH_DATA_AT <= where[0] and where[1] >= 0 and where[0] + where[1] <= end):
+                    and FETCH_DATA_AT <= where[0] and where[1] >= 0 and where[0] + where[1] <= end):
                 files[path] = os.pread(fd, where[1], where[0])
             else:
                 errors[path] = str(index.get("errors", {}).get(path, "could not be fetched"))[:200]
@@ -183,6 +215,79 @@ class _Drain:
             self.done.set_result(None)
 
 
+class _CallFiles:
+    """The fds of one call, in `CallFd` order for the child (`theirs`, closed here once sent), and
+    the worker's own ends: the output pipes' read ends (owned by their drains once draining), the
+    report and setup memfds, and the fetched-files memfd. Everything is closed on every path out."""
+
+    def __init__(self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]] | None,
+                 fetch: list[str] | None, fetch_bytes: int) -> None:
+        self.theirs: list[int] = []
+        self._ours: list[int] = []
+        self._drains: list[_Drain] = []
+        self.fetched: int | None = None
+        try:
+            self.theirs += [_sealed_memfd("code", code), _sealed_memfd("stdin", stdin)]
+            self.stdout, self.stderr = (self._pipe() for _ in range(2))
+            self.report, self.setup = (self._memfd(name, REPORT_BYTES) for name in ("report", "setup"))
+            if files or fetch:
+                self.theirs += [_sealed_memfd("files", _pack_files(files or [])),
+                                _sealed_memfd("fetch", json.dumps(fetch or []).encode())]
+                self.fetched = self._memfd("fetched", fetch_bytes)
+            assert len(self.theirs) in CallFd.COUNTS
+        except BaseException:
+            self.close_theirs()
+            self.close()
+            raise
+
+    def _pipe(self) -> int:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        self._ours.append(r)
+        self.theirs.append(w)
+        return r
+
+    def _memfd(self, name: str, size: int) -> int:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.theirs.append(fd)
+        os.ftruncate(fd, size)
+        ours = os.dup(fd)
+        self._ours.append(ours)
+        return ours
+
+    def close_theirs(self) -> None:
+        for fd in self.theirs:
+            os.close(fd)
+        self.theirs = []
+
+    def drain(self, loop: asyncio.AbstractEventLoop, cap: int, on_overflow: Callable[[], None]) -> list[_Drain]:
+        """Start draining stdout and stderr into bounded buffers; the drains own the read ends now."""
+        fired = False
+
+        def once() -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                on_overflow()
+
+        self._drains = [_Drain(loop, self.stdout, cap, once), _Drain(loop, self.stderr, cap, once)]
+        self._ours = [fd for fd in self._ours if fd not in (self.stdout, self.stderr)]
+        return self._drains
+
+    def close(self) -> None:
+        for d in self._drains:
+            d.close()
+        for fd in self._ours:
+            os.close(fd)
+        self._ours = []
+
+    def __enter__(self) -> _CallFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close_theirs()
+        self.close()
+
+
 class ZygoteProcess:
     """One nsjail running one zygote of one profile, owned by a slot."""
 
@@ -212,7 +317,7 @@ class ZygoteProcess:
         self._pids_max = -1
         self._seq = 0
         self._events: tuple[int, int] | None = None
-        self._ready: dict[str, Any] | None = None
+        self._ready: Exited | None = None
         self._workdir_fd: int | None = None
         self.lock = asyncio.Lock()
         #: From taking a call until its traces are verified gone; nobody else may talk to it then.
@@ -292,11 +397,10 @@ class ZygoteProcess:
         if self._workdir_fd is not None:
             os.close(self._workdir_fd)
             self._workdir_fd = None
-        if self.zygote_pid:
-            # The jail's work dir seen from outside, opened once (the path walks the zygote's root).
-            with contextlib.suppress(OSError):
-                self._workdir_fd = os.open(f"/proc/{self.zygote_pid}/root{WORKDIR}",
-                                           os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The jail's work dir seen from outside, opened once (the path walks the zygote's root).
+        with contextlib.suppress(OSError):
+            self._workdir_fd = os.open(f"/proc/{self.zygote_pid}/root{WORKDIR}",
+                                       os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.baseline_workdir = self._workdir_usage() or (0, 0)
         logger.info("zygote %s ready: preload %.2fs, %d modules, pid %d",
                     self.name, hello.get("preload_s", 0), hello.get("modules", 0), self.zygote_pid)
@@ -431,7 +535,6 @@ class ZygoteProcess:
         """
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
-        loop = asyncio.get_running_loop()
         out = Outcome()
         self._seq += 1
         seq = self._seq
@@ -440,118 +543,78 @@ class ZygoteProcess:
             self._events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
         oom0, pids0 = self._events
         self._events = None
-        kill_sent = False
 
-        def overflow() -> None:
-            nonlocal kill_sent
+        def overflow() -> None:  # once, from a drain: stop the call
             out.output_overflow = True
-            if not kill_sent and out.exited is None:
-                kill_sent = True
+            if out.exited is None:
                 with contextlib.suppress(ZygoteDied):
                     self._send({"op": "kill", "seq": seq})
 
-        # Ours: the pipes' read ends and our handles on the two report memfds. Theirs: what the
-        # child gets (closed here once sent). Everything is closed on every path out.
-        ours: list[int] = []
-        theirs: list[int] = []
-        drains: list[_Drain] = []
-        try:
+        with _CallFiles(code, stdin, files, fetch, FETCH_DATA_AT + self.settings.max_fetch_bytes) as call:
             try:
-                theirs.append(_sealed_memfd("code", code))
-                theirs.append(_sealed_memfd("stdin", stdin))
-                for _ in range(2):
-                    r, w = os.pipe2(os.O_CLOEXEC)
-                    ours.append(r)
-                    theirs.append(w)
-                for name in ("report", "setup"):
-                    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-                    theirs.append(fd)
-                    os.ftruncate(fd, REPORT_BYTES)
-                    ours.append(os.dup(fd))
-                if files or fetch:
-                    theirs.append(_sealed_memfd("files", _pack_files(files or [])))
-                    theirs.append(_sealed_memfd("fetch", json.dumps(fetch or []).encode()))
-                    fd = os.memfd_create("fetched", os.MFD_CLOEXEC)
-                    theirs.append(fd)
-                    os.ftruncate(fd, zygote_module.FETCH_DATA_AT + self.settings.max_fetch_bytes)
-                    ours.append(os.dup(fd))
-                msg = {
-                    "op": "run", "seq": seq, "wall_s": limits.wall_s,
-                    "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
-                    "nofile": limits.open_files, "report_bytes": REPORT_BYTES,
-                    "spare": prefork_next and self.settings.prefork, "fetch": bool(fetch),
-                }
-                t0 = time.monotonic()
-                self._send(msg, theirs)
+                self._send({"op": "run", "seq": seq, "wall_s": limits.wall_s,
+                            "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
+                            "nofile": limits.open_files, "spare": prefork_next and self.settings.prefork,
+                            "fetch": bool(fetch)}, call.theirs)
             finally:
-                for fd in theirs:
-                    os.close(fd)
-            out_r, err_r, report_fd, setup_fd = ours[:4]
-            fetched_fd = ours[4] if len(ours) > 4 else None
-            drains = [
-                _Drain(loop, out_r, limits.output_bytes, overflow),
-                _Drain(loop, err_r, limits.output_bytes, overflow),
-            ]
-            del ours[:2]  # the drains own the read ends now
-
-            # Allow for the fork and the child's setup on top of the wall limit.
-            budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
-            try:
-                out.exited = await self._expect("exited", budget, seq)
-                out.started = not out.exited.get("refused")
-                self._ready = out.exited if out.exited.get("ready") else None
-            except (TimeoutError, ZygoteDied) as exc:
-                # Kill the jail first, so the started mark cannot change while we read it.
-                await self._kill()
-                out.started = _started_mark(setup_fd)
-                await self.stop()
-                if not out.started:
-                    raise ZygoteDied(f"zygote {self.name} failed before the call started: {exc!r}",
-                                     started=False) from exc
-                if isinstance(exc, TimeoutError):
-                    out.watchdog_fired = True
-                    out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
-                else:
-                    out.notes.append("the zygote died during the call; the jail was recycled")
-            except asyncio.CancelledError:
-                await self.stop()
-                raise
+                call.close_theirs()
+            t0 = time.monotonic()
+            drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
+            await self._await_exit(out, seq, call.setup, limits.wall_s)
             out.wall_s = time.monotonic() - t0
             # Every writer is dead now, so the pipes reach EOF promptly.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
             out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
-            out.report = self._read_report(report_fd)
-            setup = self._read_report(setup_fd)
+            out.report = self._read_report(call.report)
+            setup = self._read_report(call.setup)
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
-            if fetch and fetched_fd is not None and out.exited is not None:
-                out.fetched, out.fetch_errors = _read_fetched(fetched_fd, fetch)
-            with contextlib.suppress(OSError, ValueError):
-                # Counters only move while a call runs: these are the next call's baseline too.
-                events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
-                out.oom_killed = events[0] > oom0
-                out.pids_limit_hit = events[1] > pids0
-                self._events = events
-                peak = self.cgroup.memory_peak()
-                if peak is not None:
-                    out.memory_peak_kb = max(0, peak - usage0) >> 10
-            return out
-        finally:
-            for d in drains:
-                d.close()
-            for fd in ours:
-                os.close(fd)
+            if fetch and call.fetched is not None and out.exited is not None:
+                out.fetched, out.fetch_errors = _read_fetched(call.fetched, fetch)
+        with contextlib.suppress(OSError, ValueError):
+            # Counters only move while a call runs: these are the next call's baseline too.
+            events = (self.cgroup.oom_kills(), self.cgroup.pids_limit_hits())
+            out.oom_killed = events[0] > oom0
+            out.pids_limit_hit = events[1] > pids0
+            self._events = events
+            peak = self.cgroup.memory_peak()
+            if peak is not None:
+                out.memory_peak_kb = max(0, peak - usage0) >> 10
+        return out
+
+    async def _await_exit(self, out: Outcome, seq: int, setup_fd: int, wall_s: float) -> None:
+        """Wait for the call's "exited" (the wall limit and slack for the fork and set-up); on a
+        dead or silent zygote, recycle the jail and say whether the call had started."""
+        budget = wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
+        try:
+            exited = Exited.parse(await self._expect("exited", budget, seq))
+        except (TimeoutError, ZygoteDied, ValueError) as exc:
+            # Kill the jail first, so the started mark cannot change while we read it.
+            await self._kill()
+            out.started = _started_mark(setup_fd)
+            await self.stop()
+            if not out.started:
+                raise ZygoteDied(f"zygote {self.name} failed before the call started: {exc!r}",
+                                 started=False) from exc
+            if isinstance(exc, TimeoutError):
+                out.watchdog_fired = True
+                out.notes.append(f"the zygote did not end the call within {budget:g}s; the jail was recycled")
+            else:
+                out.notes.append("the zygote died during the call; the jail was recycled")
+            return
+        except asyncio.CancelledError:
+            await self.stop()
+            raise
+        out.exited = exited
+        out.started = exited.refused is None
+        self._ready = exited if exited.ready else None
 
     @staticmethod
     def _read_report(fd: int) -> dict[str, Any] | None:
         try:
-            header = os.pread(fd, 4, 0)
-            size = int.from_bytes(header, "little")
-            if not 0 < size <= REPORT_BYTES - 4:
-                return None
-            report = json.loads(os.pread(fd, size, 4))
+            report = read_frame(fd, REPORT_BYTES)
             return report if isinstance(report, dict) else None
         except (OSError, ValueError, RecursionError):  # the program may have scribbled on it
             return None
@@ -571,8 +634,9 @@ class ZygoteProcess:
         ready, self._ready = self._ready, None
         if ready is None:
             try:
-                ready = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
-            except (ZygoteDied, TimeoutError) as exc:
+                msg = await self._expect("ready", self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
+                ready = Exited.parse(msg)
+            except (ZygoteDied, TimeoutError, ValueError) as exc:
                 return f"no ready signal after the call: {exc!r}"
         return self._verify(ready)
 
@@ -582,11 +646,11 @@ class ZygoteProcess:
         assert ready is not None
         return "the zygote is gone" if self.dead else self._verify(ready)
 
-    def _verify(self, ready: dict[str, Any]) -> str | None:
-        if not ready.get("clean"):
+    def _verify(self, ready: Exited) -> str | None:
+        if not ready.clean:
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()
-        expected = self.baseline_pids + (1 if ready.get("spare") else 0)
+        expected = self.baseline_pids + (1 if ready.spare else 0)
         if pids != expected:
             return f"{pids - expected} process(es) outlived the call"
         usage = self._workdir_usage()

@@ -91,6 +91,7 @@ class StreamWorker:
         self._active = 0  # jobs claimed and not yet out of the pool (what claims count against)
         self._scripts = Scripts(self._r, self.keys)
         self._ran: set[str] = set()  # job keys marked started by us whose result is not yet written
+        self._publishing: set[asyncio.Task[None]] = set()  # result writes: never cancelled, awaited by stop()
         self._room = asyncio.Event()
         self._rescan = False  # read our own pending entries again (after a lost connection)
         self._stopping = False
@@ -160,6 +161,9 @@ class StreamWorker:
             if job.task is not None:
                 job.task.cancel()
         await asyncio.gather(*(j.task for j in self._held.values() if j.task is not None), return_exceptions=True)
+        if self._publishing:  # results being written go out before the connection closes
+            logger.info("writing %d results before stopping", len(self._publishing))
+            await asyncio.gather(*self._publishing, return_exceptions=True)
         try:
             async with self._r.pipeline(transaction=True) as pipe:
                 pipe.delete(self.keys.alive(self.name))
@@ -275,7 +279,11 @@ class StreamWorker:
                 self._active -= 1  # the slot is free again: claim the next job while this one is written
                 self._room.set()
             if result is not None:
-                await self._publish(job, result)
+                # Shielded: a stopping worker cancels the job's task, never the write of its result.
+                write = asyncio.create_task(self._publish(job, result), name=f"codeenv-publish-{job.key}")
+                self._publishing.add(write)
+                write.add_done_callback(self._publishing.discard)
+                await asyncio.shield(write)
         except _NotOurs:
             self._spawn_ack(job.entry)
         except asyncio.CancelledError:
