@@ -8,7 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +46,16 @@ class Runner:
         assert result.status == "ok", result
         assert result.stdout == "still fine\n"
         return result
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    """Until `condition()` holds (a state seen from outside that offers no event to wait on),
+    polled every 10 ms; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # noqa: ASYNC110 (what it polls offers no event)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s")
+        await asyncio.sleep(0.01)
 
 
 #: A call that announces it is running by creating a file, then sleeps.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from codeenv.queue.embedded import EmbeddedQueue
 from codeenv.queue.redis import RedisQueue
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer, free_port, wait_ready
+from tests.conftest import RedisServer, free_port, until, wait_ready
 
 
 class SharedPoolQueue(EmbeddedQueue):
@@ -175,9 +176,16 @@ async def test_codeenv_serve_over_real_http() -> None:
             batch = {"requests": [{"code": "import time\ntime.sleep(0.2)"}] * 40}
             with pytest.raises(httpx.TimeoutException):
                 await c.post("/v1/execute/batch", json=batch, timeout=0.6)
-            await asyncio.sleep(2)  # what would have run by now, had the calls not been cancelled
-            ran = _gauge((await c.get("/metrics")).text, "codeenv_calls_run") - before
-            assert 1 <= ran <= 8, ran
+            # Until nothing waits and the slot is free: then no call of the batch is left to run.
+            deadline = time.monotonic() + 30
+            while True:
+                metrics = (await c.get("/metrics")).text
+                if _gauge(metrics, "codeenv_waiting") == 0 and _gauge(metrics, "codeenv_free_slots") == 1:
+                    break
+                assert time.monotonic() < deadline, "the cancelled batch never drained"
+                await asyncio.sleep(0.05)
+            ran = _gauge(metrics, "codeenv_calls_run") - before
+            assert 1 <= ran < 40, ran  # some started before the client gave up; the rest never ran
             r = await c.post("/v1/execute", json={"code": "print('still serving')"})
             assert r.json()["stdout"] == "still serving\n"
     finally:
@@ -276,12 +284,16 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
             stdout = {r.json()["id"]: r.json()["stdout"] for r in first}
             assert len(set(stdout.values())) == 12  # twelve runs ...
             assert all(stdout[r.json()["id"]] == r.json()["stdout"] for r in again)  # ... each answered twice
-            await asyncio.sleep(1.2)  # the pool's figures reach the gateways twice a second
-            metrics = (await c.get("/metrics")).text
+            # The pool's figures reach the gateways twice a second: until they show the calls.
+            deadline = time.monotonic() + 30
+            while True:
+                metrics = (await c.get("/metrics")).text
+                if redis_mode or _gauge(metrics, "codeenv_calls_run") == 12:
+                    break
+                assert time.monotonic() < deadline, metrics
+                await asyncio.sleep(0.1)
             assert _gauge(metrics, "codeenv_slots") == 2  # one pool of two slots behind three processes
             assert _gauge(metrics, 'codeenv_calls_total{status="ok"}') == 24  # summed over the processes
-            if not redis_mode:
-                assert _gauge(metrics, "codeenv_calls_run") == 12
     finally:
         proc.terminate()
         _, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -301,7 +313,7 @@ async def test_gateways_lose_the_pool_process_with_clear_answers(pool: SlotPool,
         assert ok.stdout == "via the socket\n"
         assert await gateway.lookup("sock-1") == (True, ok)
         running = asyncio.ensure_future(gateway.submit([ExecRequest(code="import time\ntime.sleep(1)")]))
-        await asyncio.sleep(0.3)
+        await until(lambda: pool.free_slots < len(pool.slots), "the call takes a slot")
         await server.close()  # the pool process goes away mid-call
         [lost] = await asyncio.wait_for(running, 10)
         assert lost.status == "internal_error" and lost.started and "may have run" in (lost.message or "")

@@ -28,7 +28,7 @@ from codeenv.client import (
 from codeenv.models import ErrorInfo, ExecResult, Status
 from codeenv.rl import ToolLedger
 from codeenv.settings import GatewaySettings
-from tests.conftest import free_port, serving, wait_ready
+from tests.conftest import free_port, serving, until, wait_ready
 from tests.test_api import SharedPoolQueue
 
 
@@ -107,7 +107,7 @@ async def test_a_deadline_is_honoured(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=100)
     async with AsyncClient("http://codeenv", transport=transport, retries=50, backoff_s=0.05) as client:
         busy = [asyncio.ensure_future(client.run("import time; time.sleep(1.5)")) for _ in range(2)]
-        await asyncio.sleep(0.2)
+        await until(lambda: pool.free_slots == 0, "both calls take their slots")
         t0 = time.monotonic()
         late = await client.run("print('never')", deadline_s=0.3)
         assert time.monotonic() - t0 < 1.2

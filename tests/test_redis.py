@@ -121,7 +121,10 @@ async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
     try:
         await wait_for_workers(redis_server, prefix, 2)
         batch = asyncio.ensure_future(gateway.submit([sleepy(i) for i in range(40)]))
-        await asyncio.sleep(1.0)  # both workers are busy
+        deadline = time.monotonic() + 60
+        while not (workers[0].started_ids() and workers[1].started_ids()):  # both workers are busy
+            assert time.monotonic() < deadline, "the workers never took calls"
+            await asyncio.sleep(0.05)
         workers[0].kill()
         results = await asyncio.wait_for(batch, 60)
     finally:
@@ -315,7 +318,7 @@ async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
             if r.status == "overloaded":
                 assert not r.started
             if r.status == "internal_error":
-                assert r.started and "Redis" in (r.message or "") or "queue" in (r.message or ""), r
+                assert r.started and ("Redis" in (r.message or "") or "queue" in (r.message or "")), r
         [fresh] = await asyncio.wait_for(queue.submit([ExecRequest(code="print('back')")]), 10)
         assert fresh.stdout == "back\n"
         assert queue.ready()
