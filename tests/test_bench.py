@@ -24,10 +24,10 @@ from codeenv.bench.limit import measure_limit
 from codeenv.bench.report import ratios
 from codeenv.bench.traffic import Scenario, Think, plan, split
 from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expected, load_workload
-from codeenv.sandbox.image import ensure_image
+from codeenv.sandbox.image import find_spec
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import serving
+from tests.conftest import TEST_UID_BASE, serving
 from tests.test_api import SharedPoolQueue
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=3)
@@ -40,10 +40,12 @@ async def server(pool: SlotPool) -> AsyncIterator[str]:
 
 
 async def bench(tmp_path: Path, *args: str, timeout_s: float = 240) -> tuple[int, str, dict[str, Any] | None]:
-    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile)."""
+    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile);
+    the targets it starts take their uid blocks from the suite's table."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "codeenv.cli", "bench", *args, "--out", str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env=dict(os.environ, COLUMNS="200", CODEENV_UID_BASE=str(TEST_UID_BASE)))
     out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     reports = sorted(tmp_path.glob("bench-*.json"))
     report = json.loads(reports[-1].read_text()) if reports else None
@@ -69,6 +71,7 @@ def check_adds_up(figures: dict[str, Any], calls: int) -> None:
 # --- the tool against a real codeenv, through each API ----------------------------------------
 
 
+@pytest.mark.jail
 @pytest.mark.parametrize("api", ["codeenv", "codeenv-client", "code-judge", "sandbox-fusion"])
 async def test_grpo_scenario_through_each_api(server: str, tmp_path: Path, api: str) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--api", api, "--workload", "sympy",
@@ -91,6 +94,8 @@ async def test_grpo_scenario_through_each_api(server: str, tmp_path: Path, api: 
     assert "calls/s" in out and "overhead" in out
 
 
+@pytest.mark.jail
+@pytest.mark.slow
 async def test_saturation_and_open_loop_from_two_generator_processes(server: str, tmp_path: Path) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--workload", "print", "--mode", "concurrency",
                                     "--concurrency", "6", "--calls", "60", "--procs", "2")
@@ -108,6 +113,7 @@ async def test_saturation_and_open_loop_from_two_generator_processes(server: str
     assert figures["duration_s"] > 0.5  # 40 calls at 40/s are spread over about a second
 
 
+@pytest.mark.jail
 async def test_compare_alternates_and_reports_ratios(server: str, tmp_path: Path) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--compare", server, "--compare-api",
                                     "sandbox-fusion", "--workload", "print", "--mode", "concurrency",
@@ -120,6 +126,7 @@ async def test_compare_alternates_and_reports_ratios(server: str, tmp_path: Path
     assert "round 2" in out
 
 
+@pytest.mark.jail
 async def test_wrong_answers_are_counted_and_fail_the_run(server: str, tmp_path: Path) -> None:
     expect = tmp_path / "wrong.expect.jsonl"
     expect.write_text(json.dumps("2") + "\n")
@@ -130,6 +137,7 @@ async def test_wrong_answers_are_counted_and_fail_the_run(server: str, tmp_path:
     assert "wrong output" in out
 
 
+@pytest.mark.jail
 @pytest.mark.slow
 async def test_shipped_math_workload_runs_true_on_codeenv(server: str, tmp_path: Path) -> None:
     """Every program of the math workload gives codeenv the outcome and output the physical-limit
@@ -146,6 +154,8 @@ async def test_shipped_math_workload_runs_true_on_codeenv(server: str, tmp_path:
 # --- baselines ---------------------------------------------------------------------------------
 
 
+@pytest.mark.jail
+@pytest.mark.slow
 @pytest.mark.parametrize("design", ["naive", "naive-jail"])
 async def test_baseline_targets_answer_through_the_same_api(tmp_path: Path, design: str) -> None:
     code, out, report = await bench(tmp_path, "--target", design, "--slots", "2", "--workload", "sympy",
@@ -218,6 +228,7 @@ class _FailsAfterOne(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.unit
 async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path: Path) -> None:
     with http_server(type("H", (_FailsAfterOne,), {"posts": 0})) as url:
         code, out, report = await bench(tmp_path, "--target", url, "--api", "code-judge", "--workload", "print",
@@ -229,6 +240,7 @@ async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path:
     assert figures["top_errors"][0]["error"].startswith("HTTP 500")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("other_server", "message"), [(404, "does not speak the code-judge API"),
                                                        (503, "answered HTTP 503")], indirect=["other_server"])
 async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_server: str, message: str,
@@ -237,8 +249,10 @@ async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_se
     assert code == 2 and message in out and "Traceback" not in out
 
 
+@pytest.mark.unit
+@pytest.mark.slow
 async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> None:
-    from tests.conftest import free_port
+    from codeenv.bench.services import free_port
 
     cases = [
         (["--target", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
@@ -260,6 +274,7 @@ async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> Non
 # --- the workload, the limit and the plan --------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_shipped_math_workload_composition() -> None:
     """What the README says of the math workload: the shares of each kind of call, a tail over a
     second, imports the zygotes do not preload, and an expected outcome for every call."""
@@ -280,14 +295,15 @@ def test_shipped_math_workload_composition() -> None:
     assert set(outcome["error"]) == {"error"} and set(outcome["timeout"]) == {"timeout"}
     assert all(set(v) == {"ok"} for tag, v in outcome.items() if tag not in ("error", "timeout"))
     # Imports that no zygote of the math profile preloads: the call pays for them itself.
-    image = ensure_image(SandboxSettings(slots=1))
-    math_profile = image.profile("math")
+    spec, _ = find_spec(SandboxSettings().image)
+    [math_profile] = [p for p in spec.profiles if p.name == "math"]
     submodules = [c for c in calls if c.tag == "sympy_submodule"]
-    assert submodules and all(choose_profile(c.code.encode(), image.spec.profiles) is math_profile for c in submodules)
+    assert submodules and all(choose_profile(c.code.encode(), spec.profiles) is math_profile for c in submodules)
     assert all(not any(m in c.code for m in math_profile.preload if "." in m) for c in submodules)
-    assert sum(1 for c in calls if choose_profile(c.code.encode(), image.spec.profiles).name == "scientific") >= 5
+    assert sum(1 for c in calls if choose_profile(c.code.encode(), spec.profiles).name == "scientific") >= 5
 
 
+@pytest.mark.jail
 def test_limit_runs_each_program_warm_and_records_outcomes() -> None:
     calls = load_workload("sympy") + [c for c in load_workload("math") if c.tag in ("error", "stdin")][:4]
     report = measure_limit(calls)
@@ -301,6 +317,7 @@ def test_limit_runs_each_program_warm_and_records_outcomes() -> None:
         assert by_call[call.code, call.stdin].matches(status, stdout)
 
 
+@pytest.mark.unit
 def test_plan_is_deterministic_and_split_keeps_trajectories_whole() -> None:
     scenario = Scenario(prompts=3, samples=4, turns=5, steps=2, think=Think.parse("exp:0.5"), seed=7)
     items = plan(scenario, 10)
@@ -318,6 +335,7 @@ def test_plan_is_deterministic_and_split_keeps_trajectories_whole() -> None:
             Think.parse(bad)
 
 
+@pytest.mark.unit
 def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
     bad = tmp_path / "w.jsonl"
     bad.write_text('{"code": 1}\n')

@@ -127,6 +127,12 @@ class Service:
             self.proc.kill()
         return self.proc.wait()
 
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Until it exits by itself; its exit status (subprocess.TimeoutExpired after `timeout_s`)."""
+        if self.proc is None:
+            raise ValueError(f"{self.name} is not started")
+        return self.proc.wait(timeout_s)
+
     async def stop_async(self, grace_s: float = 30) -> int | None:
         """`stop` without blocking the event loop."""
         return await asyncio.to_thread(self.stop, grace_s)

@@ -37,10 +37,11 @@ UID_BLOCKS: dict[str, range] = _end_to_end(
     ("tests.cli", 64),
     ("tests.serve", 64),
     ("tests.serve-processes", 64),
+    ("tests.pool-process", 64),
     ("tests.math-verify", 64),
     ("tests.client", 64),
     ("tests.cgroups", 64),
-    ("tests.redis", 256),  # several `codeenv worker` processes and a gateway, at offsets of their own
+    ("tests.redis", 512),  # several `codeenv worker` processes and a gateway, at offsets of their own
     ("tests.doctor", MAX_SLOTS),  # sizes for the default slot count, one per core
     # `codeenv bench`'s own targets and the benchmarks: any slot count, so a full block each; all of
     # them above MAX_SLOTS, clear of a worker that runs at the base itself.
