@@ -22,7 +22,10 @@ from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.bench.limit import measure_limit
 from codeenv.bench.report import ratios
+from codeenv.bench.services import ServiceError, free_port, start_codeenv
+from codeenv.bench.targets import SPAWNABLE
 from codeenv.bench.traffic import Scenario, Think, plan, split
+from codeenv.bench.uids import MAX_SLOTS, SPAN, UID_BLOCKS, uid_base
 from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expected, load_workload
 from codeenv.sandbox.image import find_spec
 from codeenv.sandbox.routing import choose_profile
@@ -252,8 +255,6 @@ async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_se
 @pytest.mark.unit
 @pytest.mark.slow
 async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> None:
-    from codeenv.bench.services import free_port
-
     cases = [
         (["--target", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--target", "ftp://example"], "give a URL"),
@@ -351,3 +352,27 @@ def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
     assert ratios({"throughput_per_s": 20, "latency_ms": {"p50": 5, "p99": 10}},
                   {"throughput_per_s": 10, "latency_ms": {"p50": 10, "p99": 40}}) == \
         {"throughput": 2.0, "latency_p50": 2.0, "latency_p99": 4.0}
+
+
+# --- what tests, benchmarks and the bench share: uid blocks, the service starter -------------------
+
+
+@pytest.mark.unit
+def test_uid_blocks_never_overlap() -> None:
+    blocks = sorted(UID_BLOCKS.values(), key=lambda block: block.start)
+    assert blocks[0].start == 0 and all(a.stop <= b.start for a, b in zip(blocks, blocks[1:], strict=False))
+    assert {f"bench.{spec}" for spec in SPAWNABLE} <= set(UID_BLOCKS)
+    for name, block in UID_BLOCKS.items():
+        if not name.startswith("tests."):  # any slot count, and clear of a worker at the base itself
+            assert len(block) == MAX_SLOTS and block.start >= MAX_SLOTS, name
+    assert SPAN <= 20_000  # the README's distance between two suites side by side
+    assert uid_base("bench.codeenv", 10**9) == 10**9 + UID_BLOCKS["bench.codeenv"].start
+
+
+@pytest.mark.unit
+def test_a_service_that_exits_before_it_is_ready_says_why(tmp_path: Path) -> None:
+    service = start_codeenv("serve", "--slots", "0", port=free_port(), uid_base=10**9, log=tmp_path / "serve.log")
+    with service, pytest.raises(ServiceError, match=r"(?s)^codeenv serve exited \(status 2\) before it was ready:.*"
+                                                   r"validation error.*slots"):
+        service.wait_ready()
+    assert service.returncode == 2
