@@ -20,10 +20,12 @@ from pathlib import Path
 
 import httpx
 import redis
-from _service import start_redis, start_serve, wait_ready
 from rich.console import Console
 from rich.progress import Progress
 
+from codeenv import SandboxSettings
+from codeenv.bench.services import start_codeenv, start_redis
+from codeenv.bench.uids import uid_base
 from codeenv.queue.redis_protocol import DONE_TTL_S
 
 
@@ -65,15 +67,15 @@ async def main() -> None:
     args = parser.parse_args()
     console = Console()
     figures: dict[str, dict[str, object]] = {}
-    redis_port = args.port + 1
-    redis_server = start_redis(redis_port)
-    db = redis.Redis(port=redis_port)
+    redis_server = start_redis(args.port + 1)
+    db = redis.Redis(port=args.port + 1)
     try:
         for mode in ("embedded", "redis"):
-            extra = ["--redis", f"redis://127.0.0.1:{redis_port}/0"] if mode == "redis" else []
-            server = start_serve(args.port, args.slots, 740, *extra)
+            extra = ["--redis", redis_server.url] if mode == "redis" else []
+            server = start_codeenv("serve", "--slots", str(args.slots), "--log-level", "warning", *extra,
+                                   port=args.port, uid_base=uid_base("benchmarks.burst", SandboxSettings().uid_base))
             try:
-                await wait_ready(f"http://127.0.0.1:{args.port}")
+                await server.await_ready(90)
                 rss_before = _vm(server.pid, "VmRSS")
                 mem_before = int(db.info("memory")["used_memory"]) if mode == "redis" else 0
                 seconds, statuses = await burst(args.port, args.calls, args.batch)
@@ -94,12 +96,10 @@ async def main() -> None:
                 figures[mode] = fig
                 console.print(mode, fig)
             finally:
-                server.terminate()
-                server.wait(120)
+                server.stop(120)
     finally:
         db.close()
-        redis_server.terminate()
-        redis_server.wait(10)
+        redis_server.stop(10)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 import httpx
-from _service import start_serve, wait_ready
 from rich.console import Console
 
+from codeenv import SandboxSettings
+from codeenv.bench.services import start_codeenv
+from codeenv.bench.uids import uid_base
 from codeenv.client import AsyncClient
 
 
@@ -68,17 +70,17 @@ async def main() -> None:
     parser.add_argument("--port", type=int, default=18961)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
-    server = start_serve(args.port, args.slots, 760)
+    server = start_codeenv("serve", "--slots", str(args.slots), "--log-level", "warning", port=args.port,
+                           uid_base=uid_base("benchmarks.client", SandboxSettings().uid_base))
+    url = server.url
     samples: dict[str, list[float]] = {}
     try:
-        await wait_ready(url)
+        await server.await_ready(90)
         for _ in range(args.rounds):
             for key, value in (await burst(url, args.calls) | await idle(url)).items():
                 samples.setdefault(key, []).append(value)
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop(60)
     figures = {k: statistics.median(v) for k, v in samples.items()}
     figures["idle_client_vs_direct"] = figures["idle_client_p50_ms"] / figures["idle_direct_p50_ms"]
     console = Console()

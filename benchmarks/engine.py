@@ -4,6 +4,9 @@
     (b) naive-jail:   a fresh nsjail + `python3 -c CODE` per call (the naive secure design)
     (c) codeenv:      the slot pool (warm zygotes in reused jails, a fork per call)
 
+(a) and (b) are `codeenv.bench.baseline`, the baselines `codeenv bench --target naive` runs, called
+here without the gateway.
+
 For each: throughput with every slot busy, for `print(1)` and for a sympy factorisation; single-call
 p50 latency; and the time from dispatch to the first line of user code. All three use the same
 interpreter and the same packages (the built image's), and the baselines run as many calls at once
@@ -19,8 +22,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,9 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
+from codeenv.bench.baseline import BaselineQueue, host_python_env
+from codeenv.bench.uids import uid_base
 from codeenv.sandbox.image import ensure_image
-from codeenv.sandbox.jail import config_text, jail_config
-from codeenv.sandbox.pool import nsjail_binary
 
 PRINT = "print(1)"
 SYMPY = "import sympy\nprint(sympy.factorint(2**64 - 1))"
@@ -46,6 +47,15 @@ async def subprocess_runner(argv_prefix: list[str], env: dict[str, str]) -> Runn
             *argv_prefix, code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
         out, _ = await proc.communicate()
         return out.decode()
+    return run
+
+
+def queue_runner(queue: BaselineQueue | SlotPool) -> Runner:
+    async def run(code: str) -> str:
+        if isinstance(queue, SlotPool):
+            return (await queue.run(ExecRequest(code=code))).stdout
+        [result] = await queue.submit([ExecRequest(code=code)])
+        return result.stdout
     return run
 
 
@@ -87,28 +97,16 @@ async def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     console = Console()
-    settings = SandboxSettings(slots=args.slots)
+    base = SandboxSettings().uid_base
+    settings = SandboxSettings(slots=args.slots, uid_base=uid_base("benchmarks.engine", base))
     image = ensure_image(settings, progress=lambda m: console.print(f"image: {m}"))
     n = lambda k: max(4, int(k * args.scale))  # noqa: E731
 
-    # (a) the same interpreter and packages, no jail.
-    host_python = sys._base_executable  # type: ignore[attr-defined]
-    site = image.root / "usr/local/lib" / f"python{image.spec.python}" / "site-packages"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "OPENBLAS_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
-    naive = await subprocess_runner([host_python, "-c"], env)
-
-    # (b) a fresh nsjail (same jail config as a slot, minus the zygote) + python3 per call.
-    cfg = jail_config(settings, image, image.spec.profiles[0], Path("/nonexistent"), settings.uid_base + 900)
-    cfg.mount = [m for m in cfg.mount if m.dst != "/usr/lib/codeenv"]
-    cfg.pass_fd = []
-    cfg.exec_bin = None
-    cfg_file = Path(tempfile.mkstemp(suffix=".cfg")[1])
-    cfg_file.write_text(config_text(cfg))
-    naive_jail = await subprocess_runner(
-        [str(nsjail_binary(settings)), "--config", str(cfg_file), "--",
-         f"/usr/local/bin/python{image.spec.python}", "-c"], {})
-
+    # (a) and (b): the naive designs `codeenv bench` measures too (codeenv.bench.baseline), each on
+    # as many calls at once as the pool has slots.
+    baselines = {design: BaselineQueue(design, settings.model_copy(
+        update={"uid_base": uid_base(f"benchmarks.engine-{design}", base)})) for design in ("naive", "naive-jail")}
+    host_python, env = host_python_env(image)
     bare = await subprocess_runner([host_python, "-c"], env)
     console.print(f"measuring on {os.cpu_count()} cores, {args.slots} slots, {args.rounds} alternating rounds ...")
     samples: dict[str, dict[str, list[float]]] = {}
@@ -116,23 +114,27 @@ async def main() -> None:
     def record(name: str, metric: str, value: float) -> None:
         samples.setdefault(name, {}).setdefault(metric, []).append(value)
 
-    async with SlotPool(settings) as pool:
-        async def pooled(code: str) -> str:
-            return (await pool.run(ExecRequest(code=code))).stdout
-
-        await throughput(pooled, SYMPY, 20, args.slots)  # warm-up
-        # The machine is shared and noisy: the designs take turns, round after round, and each
-        # figure is the median of its rounds, so drift hits all three alike.
-        for _ in range(args.rounds):
-            record("bare python3 -c pass", "p50_ms", 1000 * await latency_p50(bare, "pass", n(20)))
-            for name, run, big in (("naive", naive, False), ("naive-jail", naive_jail, False),
-                                   ("codeenv", pooled, True)):
-                concurrency = 10_000 if big else args.slots
-                record(name, "print_per_s", await throughput(run, PRINT, n(1500 if big else 60), concurrency))
-                record(name, "sympy_per_s", await throughput(run, SYMPY, n(400 if big else 8), concurrency))
-                record(name, "p50_ms", 1000 * await latency_p50(run, PRINT, n(200 if big else 20)))
-                record(name, "first_line_ms", 1000 * await first_line_p50(run, n(200 if big else 20)))
-    cfg_file.unlink()
+    for queue in baselines.values():
+        await queue.start()
+    try:
+        async with SlotPool(settings) as pool:
+            pooled = queue_runner(pool)
+            await throughput(pooled, SYMPY, 20, args.slots)  # warm-up
+            # The machine is shared and noisy: the designs take turns, round after round, and each
+            # figure is the median of its rounds, so drift hits all three alike.
+            for _ in range(args.rounds):
+                record("bare python3 -c pass", "p50_ms", 1000 * await latency_p50(bare, "pass", n(20)))
+                for name, run, big in (("naive", queue_runner(baselines["naive"]), False),
+                                       ("naive-jail", queue_runner(baselines["naive-jail"]), False),
+                                       ("codeenv", pooled, True)):
+                    concurrency = 10_000 if big else args.slots
+                    record(name, "print_per_s", await throughput(run, PRINT, n(1500 if big else 60), concurrency))
+                    record(name, "sympy_per_s", await throughput(run, SYMPY, n(400 if big else 8), concurrency))
+                    record(name, "p50_ms", 1000 * await latency_p50(run, PRINT, n(200 if big else 20)))
+                    record(name, "first_line_ms", 1000 * await first_line_p50(run, n(200 if big else 20)))
+    finally:
+        for queue in baselines.values():
+            await queue.close()
     figures = {name: {m: statistics.median(v) for m, v in metrics.items()} for name, metrics in samples.items()}
 
     c, a, b = figures["codeenv"], figures["naive"], figures["naive-jail"]

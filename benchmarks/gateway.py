@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 import httpx
-from _service import start_redis, start_serve, wait_ready
 from rich.console import Console
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
+from codeenv.bench.services import start_codeenv, start_redis
+from codeenv.bench.uids import uid_base
 
 CLIENTS, BATCH, BATCHES_PER_CLIENT = 8, 32, 8
 
@@ -67,20 +68,23 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console()
-    redis_port = args.port + 2
-    redis_server = start_redis(redis_port)
+    base = SandboxSettings().uid_base
+    redis_server = start_redis(args.port + 2)
+    serve = ["serve", "--slots", str(args.slots), "--log-level", "warning"]
     servers = {
-        "http": start_serve(args.port, args.slots, 700),
+        "http": start_codeenv(*serve, port=args.port, uid_base=uid_base("benchmarks.gateway-http", base)),
         # Redis Streams with the worker in the gateway's process: one pool, as in the embedded case.
-        "redis": start_serve(args.port + 1, args.slots, 720, "--redis", f"redis://127.0.0.1:{redis_port}/0"),
+        "redis": start_codeenv(*serve, "--redis", redis_server.url, port=args.port + 1,
+                               uid_base=uid_base("benchmarks.gateway-redis", base)),
     }
     samples: dict[str, list[float]] = {}
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as c, \
-                httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port + 1}", timeout=120) as rc, \
-                SlotPool(SandboxSettings(slots=args.slots)) as pool:
-            await wait_ready(str(c.base_url))
-            await wait_ready(str(rc.base_url))
+        async with httpx.AsyncClient(base_url=servers["http"].url, timeout=120) as c, \
+                httpx.AsyncClient(base_url=servers["redis"].url, timeout=120) as rc, \
+                SlotPool(SandboxSettings(slots=args.slots,
+                                         uid_base=uid_base("benchmarks.gateway-direct", base))) as pool:
+            for server in servers.values():
+                await server.await_ready(90)
             for _ in range(args.rounds):
                 samples.setdefault("direct_per_s", []).append(await direct_throughput(pool))
                 for name, client in (("http", c), ("redis", rc)):
@@ -112,11 +116,8 @@ async def main() -> None:
                 samples.setdefault("bare_python_ms", []).append(1000 * statistics.median(bare))
     finally:
         for server in servers.values():
-            server.terminate()
-        for server in servers.values():
-            server.wait(60)
-        redis_server.terminate()
-        redis_server.wait(10)
+            server.stop(60)
+        redis_server.stop(10)
     figures = {k: statistics.median(v) for k, v in samples.items()}
     figures["http_vs_direct"] = figures["http_per_s"] / figures["direct_per_s"]
     figures["redis_vs_direct"] = figures["redis_per_s"] / figures["direct_per_s"]

@@ -38,9 +38,14 @@ system_packages() {
     fi
 }
 
-# Usage: bootstrap [EXTRA_DEBIAN_PACKAGE...]
+# Usage: bootstrap [EXTRA_DEBIAN_PACKAGE...]: the Debian packages (nsjail's libraries and these), then the venv.
 bootstrap() {
     command -v dpkg-query >/dev/null 2>&1 && system_packages libnl-route-3-200 "$@"
+    bootstrap_venv
+}
+
+# The venv alone, which needs no root (the unit tier needs nothing else).
+bootstrap_venv() {
     local stamp="$VENV/.codeenv-stamp" want
     want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
     if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

@@ -1,32 +1,75 @@
-"""Fixtures: a real slot pool (real nsjail, real cgroups) shared by the whole session."""
+"""Fixtures: a real slot pool (real nsjail, real cgroups) shared by the whole session, a private
+redis-server, and the markers that sort tests into tiers (see the README): `unit` needs no root, no
+nsjail and no Redis; `jail` needs root and the host's sandbox; `redis` starts redis-server."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import pytest_asyncio
-import redis
 import uvicorn
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
+from codeenv.bench.services import Service, ServiceError, free_port, start_codeenv, start_redis
+from codeenv.bench.uids import uid_base
 from codeenv.sandbox.zygote_proc import ZygoteProcess
 
 SLOTS = 2
+#: Where the suite's uid blocks (codeenv.bench.uids) start: CODEENV_TEST_UID_BASE moves them all, so
+#: that a second suite can run beside this one (at least codeenv.bench.uids.SPAN apart).
+TEST_UID_BASE = int(os.environ.get("CODEENV_TEST_UID_BASE") or SandboxSettings().uid_base)
+#: What each tier's tests may use: a `unit` test none of these fixtures, a `jail` test the pool.
+TIERS = {"jail": {"pool"}, "redis": {"redis_server"}}
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def uids(block: str) -> int:
+    """The first host uid of the test suite's block `block` (``tests.BLOCK`` in codeenv.bench.uids)."""
+    return uid_base(f"tests.{block}", TEST_UID_BASE)
+
+
+def jail_env(block: str, **extra: str) -> dict[str, str]:
+    """The whole environment of a `codeenv` process a test starts: a plain PATH, its own uid block."""
+    return {"PATH": "/usr/bin:/bin", "CODEENV_UID_BASE": str(uids(block)), **extra}
+
+
+def start_service(block: str, *args: str, log: Path | None = None, **env: str) -> Service:
+    """`codeenv ARGS --port P` on a free port, its slots on the suite's uid block `block`, in `jail_env`."""
+    return start_codeenv(*args, port=free_port(), uid_base=uids(block), env=jail_env(block, **env), log=log)
+
+
+def need_root(what: str) -> None:
     if os.geteuid() != 0:
-        raise pytest.UsageError("codeenv's tests run real nsjail jails with cgroups: run them as root")
+        pytest.fail(f"{what} needs root (codeenv's jail tests run real nsjail jails with cgroups): run it as "
+                    "root, or run the tests that need none: scripts/test -m unit", pytrace=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test is `unit`, or `jail` and/or `redis` (matching the fixtures it uses), never both."""
+    wrong = []
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        tiers = marks & {"unit", *TIERS}
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if not tiers or ("unit" in tiers and len(tiers) > 1):
+            wrong.append(f"{item.nodeid}: marked {sorted(tiers) or 'with no tier'}")
+        for tier, needs in TIERS.items():
+            if fixtures & needs and tier not in marks:
+                wrong.append(f"{item.nodeid}: uses {', '.join(sorted(fixtures & needs))} but is not marked {tier}")
+    if wrong:
+        raise pytest.UsageError("tests with the wrong tier markers:\n  " + "\n  ".join(wrong))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before any fixture: a clear message rather than a jail that fails to start.
+    if item.get_closest_marker("jail") is not None:
+        need_root(item.nodeid)
 
 
 class Runner:
@@ -73,7 +116,8 @@ async def wait_until_running(zygote: ZygoteProcess) -> None:
 
 @pytest_asyncio.fixture(scope="session")
 async def pool() -> AsyncIterator[SlotPool]:
-    async with SlotPool(SandboxSettings(slots=SLOTS)) as p:
+    need_root("the session's slot pool")
+    async with SlotPool(SandboxSettings(slots=SLOTS, uid_base=uids("pool"))) as p:
         yield p
 
 
@@ -82,68 +126,15 @@ def run(pool: SlotPool) -> Runner:
     return Runner(pool)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A private redis-server on a free port (never the machine's own), stopped by PID."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise pytest.UsageError("the Redis tests need redis-server (scripts/test installs it)")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        try:
-            for _ in range(200):
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    time.sleep(0.025)
-            raise RuntimeError("redis-server did not start")
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
+def redis_server() -> Iterator[Service]:
+    """A private redis-server on a free port (never the machine's own), stopped by PID."""
+    try:
+        server = start_redis()
+    except ServiceError as exc:
+        raise pytest.UsageError(f"the Redis tests need redis-server (scripts/test installs it): {exc}") from exc
     yield server
-    server.stop()
-
-
-async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 90) -> None:
-    """Until the service behind `client` answers /readyz with 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if (await client.get("/readyz")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{client.base_url} did not become ready within {timeout_s:g}s")
+    server.kill()
 
 
 @asynccontextmanager

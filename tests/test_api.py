@@ -16,11 +16,12 @@ import pytest_asyncio
 
 from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
+from codeenv.bench.services import Service
 from codeenv.queue.embedded import EmbeddedQueue
 from codeenv.queue.redis import RedisQueue
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer, free_port, until, wait_ready
+from tests.conftest import start_service, until
 
 
 class SharedPoolQueue(EmbeddedQueue):
@@ -33,9 +34,8 @@ class SharedPoolQueue(EmbeddedQueue):
         pass
 
 
-@pytest_asyncio.fixture(params=["embedded", "redis"])
-async def client(request: pytest.FixtureRequest, pool: SlotPool,
-                 redis_server: RedisServer) -> AsyncIterator[httpx.AsyncClient]:
+@pytest_asyncio.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
+async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
     """The gateway in both queue modes: embedded, and Redis Streams with a worker on the same pool."""
     settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
     if request.param == "embedded":
@@ -43,6 +43,7 @@ async def client(request: pytest.FixtureRequest, pool: SlotPool,
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
             yield c
         return
+    redis_server: Service = request.getfixturevalue("redis_server")
     settings = settings.model_copy(update={"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex})
     worker = StreamWorker(settings, pool=pool)
     queue = RedisQueue(settings)
@@ -57,6 +58,7 @@ async def client(request: pytest.FixtureRequest, pool: SlotPool,
         await worker.stop()
 
 
+@pytest.mark.jail
 async def test_execute(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/execute", json={"code": "import sys\nprint(sys.stdin.read() * 2)", "stdin": "ab",
                                                "id": "c1", "limits": {"wall_s": 5}})
@@ -65,6 +67,7 @@ async def test_execute(client: httpx.AsyncClient) -> None:
     assert (body["status"], body["stdout"], body["id"], body["started"]) == ("ok", "abab\n", "c1", True)
 
 
+@pytest.mark.jail
 async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.AsyncClient) -> None:
     items = [{"code": f"print({i})", "id": str(i)} for i in range(20)]
     items[3] = {"code": "print(3)", "limits": {"wall_s": -1}, "id": "bad-limit"}
@@ -97,6 +100,7 @@ async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.Async
     (b'{"code": "1", "profile": "\\ud800"}', 422, "surrogates"),
     (b'{"code": "1", "id": "a\\udc00"}', 422, "surrogates"),
 ])
+@pytest.mark.jail
 async def test_bad_input_gets_a_clear_4xx(client: httpx.AsyncClient, body: bytes, status: int,
                                           fragment: str) -> None:
     r = await client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
@@ -104,6 +108,7 @@ async def test_bad_input_gets_a_clear_4xx(client: httpx.AsyncClient, body: bytes
     assert fragment in json.dumps(r.json()["detail"])
 
 
+@pytest.mark.jail
 async def test_body_and_batch_caps(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/execute", json={"code": "#" * (2 << 20)})
     assert r.status_code == 413 and "limit" in r.json()["detail"]
@@ -111,6 +116,7 @@ async def test_body_and_batch_caps(client: httpx.AsyncClient) -> None:
     assert r.status_code == 422 and "at most 64" in r.json()["detail"]
 
 
+@pytest.mark.jail
 async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     assert (await client.get("/readyz")).status_code == 200
@@ -123,6 +129,7 @@ async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
     assert {"ExecRequest", "ExecResult", "Limits", "BatchRequest"} <= set(schema["components"]["schemas"])
 
 
+@pytest.mark.jail
 async def test_overload_is_an_explicit_answer(pool: SlotPool) -> None:
     settings = GatewaySettings(slots=2, max_queued=1)
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
@@ -133,6 +140,7 @@ async def test_overload_is_an_explicit_answer(pool: SlotPool) -> None:
         assert all(not x["started"] for x in r.json()["results"] if x["status"] == "overloaded")
 
 
+@pytest.mark.unit
 def test_non_loopback_bind_needs_a_token() -> None:
     with pytest.raises(ValueError, match="set a token"):
         GatewaySettings(host="0.0.0.0")
@@ -140,6 +148,7 @@ def test_non_loopback_bind_needs_a_token() -> None:
     assert GatewaySettings(host="0.0.0.0", insecure=True).insecure
 
 
+@pytest.mark.jail
 async def test_token_is_checked_on_every_endpoint(pool: SlotPool) -> None:
     settings = GatewaySettings(slots=2, token="s3cret-token-0123456789")
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
@@ -155,19 +164,13 @@ def _gauge(metrics: str, name: str) -> float:
     return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
 
 
-async def test_codeenv_serve_over_real_http() -> None:
-    import sys
-
-    from codeenv import SandboxSettings
-
-    port = free_port()
-    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 500), "PATH": "/usr/bin:/bin"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "1", "--log-level", "warning",
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+@pytest.mark.jail
+@pytest.mark.slow
+async def test_codeenv_serve_over_real_http(tmp_path: Path) -> None:
+    service = start_service("serve", "serve", "--slots", "1", "--log-level", "warning", log=tmp_path / "serve.log")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            await wait_ready(c)
+        async with httpx.AsyncClient(base_url=service.url, timeout=30) as c:
+            await service.await_ready(90)
             r = await c.post("/v1/execute", json={"code": "import sympy\nprint(sympy.sqrt(8))"})
             assert r.status_code == 200 and r.json()["stdout"] == "2*sqrt(2)\n"
 
@@ -189,16 +192,17 @@ async def test_codeenv_serve_over_real_http() -> None:
             r = await c.post("/v1/execute", json={"code": "print('still serving')"})
             assert r.json()["stdout"] == "still serving\n"
     finally:
-        proc.terminate()
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        status = await service.stop_async(30)
+    err = service.log_tail(10**9)
     # A graceful stop: the pool closed its jails (uvicorn then re-raises SIGTERM as its exit status).
-    assert proc.returncode in (0, -15) and "slot pool closed" in err.decode(), err.decode()[-2000:]
+    assert status in (0, -15) and "slot pool closed" in err, err[-2000:]
     # Structured logs: one JSON object per line, one line per batch.
-    events = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     batches = [e for e in events if e.get("event") == "batch"]
     assert batches and batches[0]["calls"] == 1 and batches[0]["statuses"] == {"ok": 1}
 
 
+@pytest.mark.jail
 async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncClient) -> None:
     code = "import random, time\ntime.sleep(0.3)\nprint(random.random())"
     first, again = await asyncio.gather(
@@ -218,6 +222,7 @@ async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncCli
     assert (await client.get("/v1/results/never-sent")).status_code == 404
 
 
+@pytest.mark.jail
 async def test_more_bad_input(client: httpx.AsyncClient) -> None:
     huge = '{"code": "1", "limits": {"memory_mb": 1' + "0" * 400 + "}}"
     r = await client.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"})
@@ -235,6 +240,7 @@ async def test_more_bad_input(client: httpx.AsyncClient) -> None:
     assert (await client.get("/v1/results/a/b")).json()["stdout"] == "5\n"
 
 
+@pytest.mark.jail
 async def test_hostile_calls_through_http(client: httpx.AsyncClient) -> None:
     hostile = [
         ({"code": "while True: pass", "limits": {"wall_s": 1}}, "timeout"),
@@ -254,26 +260,21 @@ async def test_hostile_calls_through_http(client: httpx.AsyncClient) -> None:
     assert after.json()["stdout"] == "next\n"
 
 
-@pytest.mark.parametrize("redis_mode", [False, True], ids=["embedded", "redis"])
-async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: bool,
-                                                                    redis_server: RedisServer) -> None:
-    import sys
-
-    from codeenv import SandboxSettings
-
-    port = free_port()
-    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 540), "PATH": os.environ.get("PATH", "/usr/bin"),
-           "CODEENV_REDIS_PREFIX": uuid.uuid4().hex}
-    extra = ["--redis", redis_server.url] if redis_mode else []
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "2", "--processes", "3",
-        "--log-level", "warning", *extra, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+@pytest.mark.jail
+@pytest.mark.slow
+@pytest.mark.parametrize("redis_mode", [False, pytest.param(True, marks=pytest.mark.redis)], ids=["embedded", "redis"])
+async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: bool, request: pytest.FixtureRequest,
+                                                                    tmp_path: Path) -> None:
+    extra = ["--redis", request.getfixturevalue("redis_server").url] if redis_mode else []
+    service = start_service("serve-processes", "serve", "--slots", "2", "--processes", "3", "--log-level", "warning",
+                            *extra, log=tmp_path / "serve.log", PATH=os.environ.get("PATH", "/usr/bin"),
+                            CODEENV_REDIS_PREFIX=uuid.uuid4().hex)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            await wait_ready(c)
+        async with httpx.AsyncClient(base_url=service.url, timeout=30) as c:
+            await service.await_ready(90)
             code = "import random\nprint(random.random())"
             # Many connections, so every gateway process takes some; ids are shared by all of them.
-            clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(12)]
+            clients = [httpx.AsyncClient(base_url=service.url, timeout=30) for _ in range(12)]
             try:
                 first = await asyncio.gather(*(k.post("/v1/execute", json={"code": code, "id": f"p{i}"})
                                                for i, k in enumerate(clients)))
@@ -295,11 +296,11 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
             assert _gauge(metrics, "codeenv_slots") == 2  # one pool of two slots behind three processes
             assert _gauge(metrics, 'codeenv_calls_total{status="ok"}') == 24  # summed over the processes
     finally:
-        proc.terminate()
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode in (0, -15), err.decode()[-2000:]
+        status = await service.stop_async(60)
+    assert status in (0, -15), service.log_tail()
 
 
+@pytest.mark.jail
 async def test_gateways_lose_the_pool_process_with_clear_answers(pool: SlotPool, tmp_path: Path) -> None:
     from codeenv.errors import QueueUnavailable
     from codeenv.queue.host_socket import HostSocketQueue, HostSocketServer

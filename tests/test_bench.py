@@ -22,12 +22,15 @@ from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.bench.limit import measure_limit
 from codeenv.bench.report import ratios
+from codeenv.bench.services import ServiceError, free_port, start_codeenv
+from codeenv.bench.targets import SPAWNABLE
 from codeenv.bench.traffic import Scenario, Think, plan, split
+from codeenv.bench.uids import MAX_SLOTS, SPAN, UID_BLOCKS, uid_base
 from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expected, load_workload
-from codeenv.sandbox.image import ensure_image
+from codeenv.sandbox.image import find_spec
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import serving
+from tests.conftest import TEST_UID_BASE, serving
 from tests.test_api import SharedPoolQueue
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=3)
@@ -40,10 +43,12 @@ async def server(pool: SlotPool) -> AsyncIterator[str]:
 
 
 async def bench(tmp_path: Path, *args: str, timeout_s: float = 240) -> tuple[int, str, dict[str, Any] | None]:
-    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile)."""
+    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile);
+    the targets it starts take their uid blocks from the suite's table."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "codeenv.cli", "bench", *args, "--out", str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env=dict(os.environ, COLUMNS="200", CODEENV_UID_BASE=str(TEST_UID_BASE)))
     out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     reports = sorted(tmp_path.glob("bench-*.json"))
     report = json.loads(reports[-1].read_text()) if reports else None
@@ -69,6 +74,7 @@ def check_adds_up(figures: dict[str, Any], calls: int) -> None:
 # --- the tool against a real codeenv, through each API ----------------------------------------
 
 
+@pytest.mark.jail
 @pytest.mark.parametrize("api", ["codeenv", "codeenv-client", "code-judge", "sandbox-fusion"])
 async def test_grpo_scenario_through_each_api(server: str, tmp_path: Path, api: str) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--api", api, "--workload", "sympy",
@@ -91,6 +97,8 @@ async def test_grpo_scenario_through_each_api(server: str, tmp_path: Path, api: 
     assert "calls/s" in out and "overhead" in out
 
 
+@pytest.mark.jail
+@pytest.mark.slow
 async def test_saturation_and_open_loop_from_two_generator_processes(server: str, tmp_path: Path) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--workload", "print", "--mode", "concurrency",
                                     "--concurrency", "6", "--calls", "60", "--procs", "2")
@@ -108,6 +116,7 @@ async def test_saturation_and_open_loop_from_two_generator_processes(server: str
     assert figures["duration_s"] > 0.5  # 40 calls at 40/s are spread over about a second
 
 
+@pytest.mark.jail
 async def test_compare_alternates_and_reports_ratios(server: str, tmp_path: Path) -> None:
     code, out, report = await bench(tmp_path, "--target", server, "--compare", server, "--compare-api",
                                     "sandbox-fusion", "--workload", "print", "--mode", "concurrency",
@@ -120,6 +129,7 @@ async def test_compare_alternates_and_reports_ratios(server: str, tmp_path: Path
     assert "round 2" in out
 
 
+@pytest.mark.jail
 async def test_wrong_answers_are_counted_and_fail_the_run(server: str, tmp_path: Path) -> None:
     expect = tmp_path / "wrong.expect.jsonl"
     expect.write_text(json.dumps("2") + "\n")
@@ -130,6 +140,7 @@ async def test_wrong_answers_are_counted_and_fail_the_run(server: str, tmp_path:
     assert "wrong output" in out
 
 
+@pytest.mark.jail
 @pytest.mark.slow
 async def test_shipped_math_workload_runs_true_on_codeenv(server: str, tmp_path: Path) -> None:
     """Every program of the math workload gives codeenv the outcome and output the physical-limit
@@ -146,6 +157,8 @@ async def test_shipped_math_workload_runs_true_on_codeenv(server: str, tmp_path:
 # --- baselines ---------------------------------------------------------------------------------
 
 
+@pytest.mark.jail
+@pytest.mark.slow
 @pytest.mark.parametrize("design", ["naive", "naive-jail"])
 async def test_baseline_targets_answer_through_the_same_api(tmp_path: Path, design: str) -> None:
     code, out, report = await bench(tmp_path, "--target", design, "--slots", "2", "--workload", "sympy",
@@ -218,6 +231,7 @@ class _FailsAfterOne(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.unit
 async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path: Path) -> None:
     with http_server(type("H", (_FailsAfterOne,), {"posts": 0})) as url:
         code, out, report = await bench(tmp_path, "--target", url, "--api", "code-judge", "--workload", "print",
@@ -229,6 +243,7 @@ async def test_calls_the_service_did_not_run_are_errors_not_throughput(tmp_path:
     assert figures["top_errors"][0]["error"].startswith("HTTP 500")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("other_server", "message"), [(404, "does not speak the code-judge API"),
                                                        (503, "answered HTTP 503")], indirect=["other_server"])
 async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_server: str, message: str,
@@ -237,9 +252,9 @@ async def test_a_server_of_another_kind_or_failing_gets_a_clear_message(other_se
     assert code == 2 and message in out and "Traceback" not in out
 
 
+@pytest.mark.unit
+@pytest.mark.slow
 async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> None:
-    from tests.conftest import free_port
-
     cases = [
         (["--target", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--target", "ftp://example"], "give a URL"),
@@ -260,6 +275,7 @@ async def test_bad_targets_and_options_get_clear_messages(tmp_path: Path) -> Non
 # --- the workload, the limit and the plan --------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_shipped_math_workload_composition() -> None:
     """What the README says of the math workload: the shares of each kind of call, a tail over a
     second, imports the zygotes do not preload, and an expected outcome for every call."""
@@ -280,14 +296,15 @@ def test_shipped_math_workload_composition() -> None:
     assert set(outcome["error"]) == {"error"} and set(outcome["timeout"]) == {"timeout"}
     assert all(set(v) == {"ok"} for tag, v in outcome.items() if tag not in ("error", "timeout"))
     # Imports that no zygote of the math profile preloads: the call pays for them itself.
-    image = ensure_image(SandboxSettings(slots=1))
-    math_profile = image.profile("math")
+    spec, _ = find_spec(SandboxSettings().image)
+    [math_profile] = [p for p in spec.profiles if p.name == "math"]
     submodules = [c for c in calls if c.tag == "sympy_submodule"]
-    assert submodules and all(choose_profile(c.code.encode(), image.spec.profiles) is math_profile for c in submodules)
+    assert submodules and all(choose_profile(c.code.encode(), spec.profiles) is math_profile for c in submodules)
     assert all(not any(m in c.code for m in math_profile.preload if "." in m) for c in submodules)
-    assert sum(1 for c in calls if choose_profile(c.code.encode(), image.spec.profiles).name == "scientific") >= 5
+    assert sum(1 for c in calls if choose_profile(c.code.encode(), spec.profiles).name == "scientific") >= 5
 
 
+@pytest.mark.jail
 def test_limit_runs_each_program_warm_and_records_outcomes() -> None:
     calls = load_workload("sympy") + [c for c in load_workload("math") if c.tag in ("error", "stdin")][:4]
     report = measure_limit(calls)
@@ -301,6 +318,7 @@ def test_limit_runs_each_program_warm_and_records_outcomes() -> None:
         assert by_call[call.code, call.stdin].matches(status, stdout)
 
 
+@pytest.mark.unit
 def test_plan_is_deterministic_and_split_keeps_trajectories_whole() -> None:
     scenario = Scenario(prompts=3, samples=4, turns=5, steps=2, think=Think.parse("exp:0.5"), seed=7)
     items = plan(scenario, 10)
@@ -318,6 +336,7 @@ def test_plan_is_deterministic_and_split_keeps_trajectories_whole() -> None:
             Think.parse(bad)
 
 
+@pytest.mark.unit
 def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
     bad = tmp_path / "w.jsonl"
     bad.write_text('{"code": 1}\n')
@@ -333,3 +352,27 @@ def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
     assert ratios({"throughput_per_s": 20, "latency_ms": {"p50": 5, "p99": 10}},
                   {"throughput_per_s": 10, "latency_ms": {"p50": 10, "p99": 40}}) == \
         {"throughput": 2.0, "latency_p50": 2.0, "latency_p99": 4.0}
+
+
+# --- what tests, benchmarks and the bench share: uid blocks, the service starter -------------------
+
+
+@pytest.mark.unit
+def test_uid_blocks_never_overlap() -> None:
+    blocks = sorted(UID_BLOCKS.values(), key=lambda block: block.start)
+    assert blocks[0].start == 0 and all(a.stop <= b.start for a, b in zip(blocks, blocks[1:], strict=False))
+    assert {f"bench.{spec}" for spec in SPAWNABLE} <= set(UID_BLOCKS)
+    for name, block in UID_BLOCKS.items():
+        if not name.startswith("tests."):  # any slot count, and clear of a worker at the base itself
+            assert len(block) == MAX_SLOTS and block.start >= MAX_SLOTS, name
+    assert SPAN <= 20_000  # the README's distance between two suites side by side
+    assert uid_base("bench.codeenv", 10**9) == 10**9 + UID_BLOCKS["bench.codeenv"].start
+
+
+@pytest.mark.unit
+def test_a_service_that_exits_before_it_is_ready_says_why(tmp_path: Path) -> None:
+    service = start_codeenv("serve", "--slots", "0", port=free_port(), uid_base=10**9, log=tmp_path / "serve.log")
+    with service, pytest.raises(ServiceError, match=r"(?s)^codeenv serve exited \(status 2\) before it was ready:.*"
+                                                   r"validation error.*slots"):
+        service.wait_ready()
+    assert service.returncode == 2

@@ -32,6 +32,7 @@ from codeenv.sandbox.sizing import (
     memory_allowance,
     plan_slots,
 )
+from tests.conftest import jail_env, uids
 
 V2_ALL = "cpuset cpu io memory pids"
 
@@ -103,6 +104,7 @@ def v2_layout(root: Path, own: str = "/") -> CgroupLayout:
 # --- v2 -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_v2_moves_every_process_into_a_leaf_then_enables_controllers(tmp_path: Path) -> None:
     root = v2_root(tmp_path, procs=(1, 57, os.getpid()))
     fs = FakeCgroupFs(root)
@@ -123,6 +125,7 @@ def test_v2_moves_every_process_into_a_leaf_then_enables_controllers(tmp_path: P
     assert tree.bases == {"unified": root / "codeenv-42-1"} and fs.moves == []
 
 
+@pytest.mark.unit
 def test_v2_already_delegated_moves_nothing(tmp_path: Path) -> None:
     """A cgroup whose controllers are enabled already (say, by a worker before this one)."""
     root = v2_root(tmp_path, enabled="memory pids cpu", procs=())
@@ -131,6 +134,7 @@ def test_v2_already_delegated_moves_nothing(tmp_path: Path) -> None:
     assert fs.moves == [] and not (root / SUPERVISOR_LEAF).exists()
 
 
+@pytest.mark.unit
 def test_v2_processes_arriving_during_the_move_are_moved_too(tmp_path: Path) -> None:
     root = v2_root(tmp_path, procs=(1,))
     fs = FakeCgroupFs(root, arrivals=[[], ["99"]])  # 99 lands after the first move, before the write
@@ -139,6 +143,7 @@ def test_v2_processes_arriving_during_the_move_are_moved_too(tmp_path: Path) -> 
     assert "memory" in (root / "cgroup.subtree_control").read_text().split()
 
 
+@pytest.mark.unit
 def test_v2_gives_up_when_processes_keep_arriving(tmp_path: Path) -> None:
     root = v2_root(tmp_path, procs=(1,))
     fs = FakeCgroupFs(root, arrivals=[[str(100 + i)] for i in range(10)])
@@ -146,6 +151,7 @@ def test_v2_gives_up_when_processes_keep_arriving(tmp_path: Path) -> None:
         CgroupTree.create(layout=v2_layout(root), tag="codeenv-42-0", fs=fs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("controllers", "missing"), [("pids cpu", "memory"), ("cpu io memory", "pids")])
 def test_v2_without_memory_or_pids_is_refused(tmp_path: Path, controllers: str, missing: str) -> None:
     root = v2_root(tmp_path, controllers=controllers)
@@ -158,6 +164,7 @@ def test_v2_without_memory_or_pids_is_refused(tmp_path: Path, controllers: str, 
     assert not (root / SUPERVISOR_LEAF).exists()  # refused before touching anything
 
 
+@pytest.mark.unit
 def test_v2_cpu_is_optional(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = v2_root(tmp_path, controllers="memory pids")
     CgroupTree.create(layout=v2_layout(root), tag="codeenv-42-0", fs=FakeCgroupFs(root))
@@ -171,6 +178,7 @@ def test_v2_cpu_is_optional(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     assert "calls run without a cpu cap" in caplog.text
 
 
+@pytest.mark.unit
 def test_v2_subtree_control_not_writable_is_refused(tmp_path: Path) -> None:
     root = v2_root(tmp_path)
 
@@ -182,6 +190,7 @@ def test_v2_subtree_control_not_writable_is_refused(tmp_path: Path) -> None:
         CgroupTree.create(layout=v2_layout(root), tag="codeenv-42-0", fs=ReadOnly(root))
 
 
+@pytest.mark.unit
 def test_v2_jail_group_files(tmp_path: Path) -> None:
     """A jail's group reads and writes the v2 files (through the hot path's cached fds)."""
     path = tmp_path / "slot0-light"
@@ -216,6 +225,7 @@ def v1_root(tmp_path: Path, hierarchies: tuple[str, ...] = ("memory", "pids", "c
 V1_SELF = "8:pids:/\n4:memory:/\n1:cpu:/\n"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("present", "missing"), [(("memory", "cpu"), "pids"), (("pids", "cpu"), "memory")])
 def test_v1_without_memory_or_pids_is_refused(tmp_path: Path, present: tuple[str, ...], missing: str) -> None:
     root = v1_root(tmp_path, present)
@@ -227,11 +237,13 @@ def test_v1_without_memory_or_pids_is_refused(tmp_path: Path, present: tuple[str
         f"jails need memory and pids caps: mount it (mount -t cgroup -o {missing} cgroup {root / missing})")
 
 
+@pytest.mark.unit
 def test_no_cgroup_file_system_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SandboxError, match="no cgroup file system at"):
         CgroupLayout.detect(tmp_path, proc_cgroup=V1_SELF)
 
 
+@pytest.mark.unit
 def test_v1_not_writable_is_refused(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
 
@@ -248,6 +260,7 @@ def test_v1_not_writable_is_refused(tmp_path: Path) -> None:
         "(docker: --privileged, or /sys/fs/cgroup mounted read-write)")
 
 
+@pytest.mark.unit
 def test_v1_private_view_uses_the_mount_root(tmp_path: Path) -> None:
     """A container without a cgroup namespace: /proc/self/cgroup names a host path the mount lacks."""
     root = v1_root(tmp_path)
@@ -257,6 +270,7 @@ def test_v1_private_view_uses_the_mount_root(tmp_path: Path) -> None:
     assert layout.own_dir("pids") == root / "pids"
 
 
+@pytest.mark.jail
 def test_v1_on_this_host() -> None:
     """The real hierarchy: the subtree is made in memory, pids (and cpu) and removed again."""
     tree = CgroupTree.create(tag=f"codeenv-{os.getpid()}-test")
@@ -276,6 +290,7 @@ def test_v1_on_this_host() -> None:
 # --- sizing ------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_memory_limit_v1_walks_up_to_the_lowest_limit(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
     for sub, limit in (("a", 4 << 30), ("a/b", 9223372036854771712)):
@@ -291,6 +306,7 @@ def test_memory_limit_v1_walks_up_to_the_lowest_limit(tmp_path: Path) -> None:
     assert memory_allowance(layout, meminfo) == MemoryAllowance(2000, "of this host's memory (MemTotal)")
 
 
+@pytest.mark.unit
 def test_memory_limit_v2_reads_memory_max_up_from_the_supervisor_leaf(tmp_path: Path) -> None:
     root = v2_root(tmp_path)
     (root / "svc").mkdir()
@@ -314,6 +330,7 @@ def settings(slots: int, call_mb: int, zygote_mb: int | None = None, **kw: objec
                            defaults={"memory_mb": min(call_mb, 1024)}, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_sizing_lowers_the_slot_count_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     spec, _ = find_spec("python-math")
     allowance = MemoryAllowance(3000, "this worker's cgroup allows", CGROUP)
@@ -332,6 +349,7 @@ def test_sizing_lowers_the_slot_count_and_says_so(caplog: pytest.LogCaptureFixtu
     assert plan.describe().endswith("running 1 slot")
 
 
+@pytest.mark.unit
 def test_sizing_refuses_when_not_one_slot_fits() -> None:
     spec, _ = find_spec("python-math")
     plan = plan_slots(settings(2, 4096, 200), spec, MemoryAllowance(4000, "this worker's cgroup allows", CGROUP))
@@ -342,6 +360,7 @@ def test_sizing_refuses_when_not_one_slot_fits() -> None:
         "cgroup allows; lower caps.memory_mb (CODEENV_CAPS__MEMORY_MB) or give the worker more memory")
 
 
+@pytest.mark.unit
 def test_zygote_estimate_per_image() -> None:
     spec, _ = find_spec("python-math")
     assert estimate_zygote_mb(spec) == 16 + 96 + 96  # light, math, scientific
@@ -349,6 +368,7 @@ def test_zygote_estimate_per_image() -> None:
     assert plan.zygote_mb == 208
 
 
+@pytest.mark.unit
 def test_host_memory_alone_warns_but_keeps_the_slots(caplog: pytest.LogCaptureFixture) -> None:
     """Without a cgroup limit the worst case is only warned about: the global OOM killer takes the
     largest process, a call, and cutting a big node's slots would cost its throughput."""
@@ -371,12 +391,13 @@ def cgroup_limited(monkeypatch: pytest.MonkeyPatch) -> MemoryAllowance:
     return limited
 
 
+@pytest.mark.jail
 async def test_pool_runs_the_slots_that_fit(caplog: pytest.LogCaptureFixture,
                                             cgroup_limited: MemoryAllowance) -> None:
     """A real pool asked for 2 slots where its cgroup's memory holds 1 of them starts 1, and says so."""
     allowance = cgroup_limited
     call_mb = allowance.limit_mb * 3 // 4 - 208
-    pool = SlotPool(settings(2, call_mb, uid_base=SandboxSettings().uid_base + 700))
+    pool = SlotPool(settings(2, call_mb, uid_base=uids("cgroups")))
     with caplog.at_level(logging.WARNING):
         async with pool:
             assert len(pool.slots) == 1
@@ -385,29 +406,31 @@ async def test_pool_runs_the_slots_that_fit(caplog: pytest.LogCaptureFixture,
     assert f"exceeds the {allowance.limit_mb} MB" in caplog.text and "running 1 slot" in caplog.text
 
 
+@pytest.mark.jail
 async def test_pool_refuses_when_not_one_slot_fits() -> None:
     allowance = memory_allowance(CgroupLayout.detect())
-    pool = SlotPool(settings(1, allowance.limit_mb + 1, uid_base=SandboxSettings().uid_base + 700))
+    pool = SlotPool(settings(1, allowance.limit_mb + 1, uid_base=uids("cgroups")))
     with pytest.raises(SandboxError, match="memory: one slot needs"):
         await pool.start()
     assert pool.slots == []
 
 
+@pytest.mark.jail
 def test_serve_refuses_before_binding_when_not_one_slot_fits() -> None:
-    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 700), "CODEENV_CAPS__MEMORY_MB": str(10**7),
-           "PATH": "/usr/bin:/bin"}
+    env = jail_env("cgroups", CODEENV_CAPS__MEMORY_MB=str(10**7))
     done = subprocess.run([sys.executable, "-m", "codeenv.cli", "serve", "--port", "1"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert "error: memory: one slot needs" in " ".join(done.stderr.split()) and "Traceback" not in done.stderr
 
 
+@pytest.mark.jail
 async def test_pool_warns_when_zygotes_are_heavier_than_estimated(caplog: pytest.LogCaptureFixture,
                                                                  cgroup_limited: MemoryAllowance) -> None:
     """An estimate of 1 MB lets a slot with a call cap of all but 50 MB start; the zygotes it then
     measures (python-math: about 170 MB a slot) no longer fit, and it says what to set."""
     allowance = cgroup_limited
-    pool = SlotPool(settings(1, allowance.limit_mb - 50, 1, uid_base=SandboxSettings().uid_base + 700))
+    pool = SlotPool(settings(1, allowance.limit_mb - 50, 1, uid_base=uids("cgroups")))
     with caplog.at_level(logging.WARNING):
         async with pool:
             measured_mb = sum(z.baseline_memory for z in pool.slots[0].zygotes.values()) >> 20

@@ -7,13 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from codeenv import SandboxSettings
+import pytest
+
+from tests.conftest import jail_env
+
+pytestmark = pytest.mark.jail
 
 CLI = [sys.executable, "-m", "codeenv.cli"]
 
 
 async def cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
-    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 400), "PATH": "/usr/bin:/bin"}
+    env = jail_env("cli")
     proc = await asyncio.create_subprocess_exec(
         *CLI, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=env)

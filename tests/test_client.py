@@ -15,6 +15,7 @@ import pytest_asyncio
 
 from codeenv import SlotPool
 from codeenv.api import create_app
+from codeenv.bench.services import free_port
 from codeenv.client import (
     AsyncClient,
     Client,
@@ -28,7 +29,7 @@ from codeenv.client import (
 from codeenv.models import ErrorInfo, ExecResult, Status
 from codeenv.rl import ToolLedger
 from codeenv.settings import GatewaySettings
-from tests.conftest import free_port, serving, until, wait_ready
+from tests.conftest import serving, start_service, until
 from tests.test_api import SharedPoolQueue
 
 
@@ -62,6 +63,8 @@ async def server(pool: SlotPool) -> AsyncIterator[str]:
         yield url
 
 
+@pytest.mark.jail
+@pytest.mark.slow
 async def test_five_thousand_concurrent_calls_become_few_requests(server: str) -> None:
     transport = Counting()
     async with AsyncClient(server, transport=transport, max_in_flight=8, max_batch=256) as client:
@@ -71,6 +74,7 @@ async def test_five_thousand_concurrent_calls_become_few_requests(server: str) -
     assert transport.requests == client.requests_sent <= 40, transport.requests
 
 
+@pytest.mark.jail
 async def test_overloaded_calls_are_retried_with_the_same_id(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=1)  # 2 slots + 1 waiting; the rest are answered overloaded
     async with AsyncClient("http://codeenv", transport=transport, retries=30, backoff_s=0.05,
@@ -81,6 +85,7 @@ async def test_overloaded_calls_are_retried_with_the_same_id(pool: SlotPool) -> 
     assert transport.requests > 1  # some had to come back
 
 
+@pytest.mark.jail
 async def test_a_fast_call_does_not_wait_for_its_slow_batch_sibling(server: str) -> None:
     transport = Counting()
     async with AsyncClient(server, transport=transport) as client:
@@ -92,6 +97,7 @@ async def test_a_fast_call_does_not_wait_for_its_slow_batch_sibling(server: str)
     assert transport.requests == 1
 
 
+@pytest.mark.jail
 async def test_the_stream_endpoint_speaks_ndjson(server: str) -> None:
     async with httpx.AsyncClient(base_url=server) as c:
         r = await c.post("/v1/execute/stream", json={"requests": [
@@ -103,6 +109,7 @@ async def test_the_stream_endpoint_speaks_ndjson(server: str) -> None:
     assert lines[0]["result"]["status"] == "rejected" and lines[2]["result"]["stdout"] == "0\n"
 
 
+@pytest.mark.jail
 async def test_a_deadline_is_honoured(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=100)
     async with AsyncClient("http://codeenv", transport=transport, retries=50, backoff_s=0.05) as client:
@@ -115,6 +122,7 @@ async def test_a_deadline_is_honoured(pool: SlotPool) -> None:
         await asyncio.gather(*busy)
 
 
+@pytest.mark.unit
 async def test_a_dead_server_is_the_librarys_exception() -> None:
     port = free_port()  # nothing listens there
     async with AsyncClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01) as client:
@@ -128,6 +136,7 @@ async def test_a_dead_server_is_the_librarys_exception() -> None:
     await client.aclose()  # idempotent
 
 
+@pytest.mark.jail
 async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
     config = GatewaySettings(slots=2, token="a-long-enough-token-123")
     app = create_app(config, SharedPoolQueue(pool, config.max_queued))
@@ -145,28 +154,23 @@ async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
     assert (ledger.calls, ledger.tool_errors, ledger.service_faults) == (3, 1, 1)
 
 
+@pytest.mark.jail
 async def test_the_sync_client_works_inside_a_running_loop() -> None:
     """As in Jupyter: a loop is running in this thread, and the blocking client still works."""
-    port = free_port()
-    from codeenv import SandboxSettings
-
-    env = {"CODEENV_UID_BASE": str(SandboxSettings().uid_base + 580), "PATH": "/usr/bin:/bin"}
-    # Blocking calls inside a running loop are the point of this test.
-    proc = subprocess.Popen([sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port),  # noqa: ASYNC220
-                             "--slots", "1", "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL)
+    service = start_service("client", "serve", "--slots", "1", "--log-level", "warning")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-            await wait_ready(c)
-        with Client(f"http://127.0.0.1:{port}") as client:
+        await service.await_ready(90)
+        # Blocking calls inside a running loop are the point of this test.
+        with Client(service.url) as client:
             assert client.run("print(6 * 7)").stdout == "42\n"
             assert [r.stdout for r in client.run_many(["print(1)", "print(2)"])] == ["1\n", "2\n"]
             assert client.requests_sent >= 2
         client.close()  # idempotent
     finally:
-        proc.terminate()
-        proc.wait(60)
+        await service.stop_async(60)
 
 
+@pytest.mark.unit
 def test_the_client_imports_nothing_of_the_server() -> None:
     code = ("import sys, codeenv.client, codeenv.rl\n"
             "bad = sorted({m.split('.')[0] for m in sys.modules} & "
@@ -176,6 +180,7 @@ def test_the_client_imports_nothing_of_the_server() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.unit
 def test_feedback_reads_well_and_is_neutralised() -> None:
     ok = ExecResult(status=Status.ok, exit_code=0, stdout="42\n", wall_s=0.01)
     assert format_feedback(ok) == "42"

@@ -17,8 +17,10 @@ from sandbox_fusion import RunCodeRequest, run_code
 from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.settings import GatewaySettings
-from tests.conftest import serving
+from tests.conftest import serving, uids
 from tests.test_api import SharedPoolQueue
+
+pytestmark = pytest.mark.jail
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=1, code_judge_queue_wait_s=20)
 
@@ -260,6 +262,7 @@ async def long_batch(c: httpx.AsyncClient, codes: list[str], max_retries: int = 
     return [r for r in results if r is not None]
 
 
+@pytest.mark.slow
 async def test_a_thousand_calls_as_rstar2_agent_sends_them(server: str, pool: SlotPool) -> None:
     codes = []
     for i in range(1000):
@@ -333,6 +336,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.slow
 async def test_hostile_programs_on_both_compatibility_apis(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, timeout=60) as c:
         judged = (await c.post("/run/batch", json={"type": "batch", "submissions": [
@@ -369,7 +373,7 @@ async def test_the_math_verify_image_runs_a_reward_check() -> None:
     """The shipped reward image recipe builds, and a trainer's reward check runs in its jails."""
     from codeenv import ExecRequest, SandboxSettings
 
-    settings = SandboxSettings(slots=1, image="python-math-verify", uid_base=SandboxSettings().uid_base + 560)
+    settings = SandboxSettings(slots=1, image="python-math-verify", uid_base=uids("math-verify"))
     async with SlotPool(settings) as reward_pool:
         code = ("from math_verify import parse, verify\n"
                 "print(verify(parse('$\\\\frac{1}{2}$'), parse('0.5')), verify(parse('$3$'), parse('4')))")

@@ -9,6 +9,8 @@ import pytest
 from codeenv import ExecRequest, SlotPool
 from codeenv.errors import InvalidRequest
 
+pytestmark = pytest.mark.jail
+
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()

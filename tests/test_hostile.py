@@ -9,6 +9,8 @@ import pytest
 from codeenv import SlotPool
 from tests.conftest import Runner
 
+pytestmark = pytest.mark.jail
+
 
 @pytest.fixture
 def restarts(pool: SlotPool) -> RestartCounter:

@@ -10,6 +10,8 @@ import pytest
 from codeenv import SlotPool
 from tests.conftest import Runner
 
+pytestmark = pytest.mark.jail
+
 # Scans the child's own readable memory for HEAD immediately followed by TAIL. The two halves are
 # separate literals, so the joined token exists in memory only if an earlier call left it there.
 MEMORY_SCAN = """

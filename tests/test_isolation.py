@@ -11,6 +11,8 @@ import pytest
 import codeenv
 from tests.conftest import Runner
 
+pytestmark = pytest.mark.jail
+
 
 async def test_no_host_secrets(run: Runner, tmp_path: Path) -> None:
     secret = tmp_path / "root-only"

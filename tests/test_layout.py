@@ -6,7 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import codeenv
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(codeenv.__file__).parent
 

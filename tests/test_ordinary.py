@@ -6,7 +6,11 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import Runner
+
+pytestmark = pytest.mark.jail
 
 
 async def test_print_and_stdin(run: Runner) -> None:

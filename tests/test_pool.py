@@ -12,9 +12,10 @@ import pytest
 
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings, SlotPool
 from codeenv.errors import ImageError, PoolClosed
-from tests.conftest import RUNNING_THEN_SLEEP, Runner, wait_until_running
+from tests.conftest import RUNNING_THEN_SLEEP, Runner, uids, wait_until_running
 
 
+@pytest.mark.jail
 async def test_many_concurrent_callers_each_get_their_own_result(pool: SlotPool) -> None:
     codes = [f"import sys\nprint({i} * {i}, sys.stdin.read())" for i in range(300)]
     results = await asyncio.gather(*(pool.run(ExecRequest(code=c, stdin=str(i), id=f"call-{i}"))
@@ -24,6 +25,7 @@ async def test_many_concurrent_callers_each_get_their_own_result(pool: SlotPool)
     assert {r.worker for r in results} == {s.worker for s in pool.slots}
 
 
+@pytest.mark.jail
 async def test_bad_requests_raise_invalid_request(pool: SlotPool) -> None:
     with pytest.raises(LimitExceedsCap, match="cannot exceed the configured limit"):
         await pool.run(ExecRequest(code="1", limits={"memory_mb": 10**6}))
@@ -38,6 +40,7 @@ async def test_bad_requests_raise_invalid_request(pool: SlotPool) -> None:
         await pool.run(ExecRequest(code="1", profile="gpu"))
 
 
+@pytest.mark.jail
 async def test_cancelled_call_frees_its_slot(run: Runner, pool: SlotPool) -> None:
     task = asyncio.create_task(run(RUNNING_THEN_SLEEP, slot=0, wall_s=60))
     await wait_until_running(pool.slots[0].zygotes["light"])
@@ -48,6 +51,7 @@ async def test_cancelled_call_frees_its_slot(run: Runner, pool: SlotPool) -> Non
     assert r.status == "ok" and r.stdout == "next\n"
 
 
+@pytest.mark.unit
 async def test_closed_pool_refuses_calls() -> None:
     pool = SlotPool(SandboxSettings(slots=1))
     with pytest.raises(PoolClosed):
@@ -65,6 +69,7 @@ def state_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.jail
 async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path) -> None:
     spec = tmp_path / "image.toml"
     spec.write_text(
@@ -73,7 +78,7 @@ async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path)
     )
     messages: list[str] = []
     settings = SandboxSettings(slots=1, image=str(spec), state_dir=state_dir,
-                               uid_base=SandboxSettings().uid_base + 200)
+                               uid_base=uids("image"))
     async with SlotPool(settings, progress=messages.append) as tiny:
         r = await tiny.run(ExecRequest(code="import os, fractions, sys\n"
                                        "print(os.environ['TINY'], os.environ['PYTHONHASHSEED'], sys.version_info[:2])"))
@@ -88,6 +93,7 @@ async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path)
     assert not [p for p in (state_dir / "images").iterdir() if p.name.startswith(".build")]
 
 
+@pytest.mark.unit
 def test_unknown_image_is_a_clear_error(state_dir: Path) -> None:
     from codeenv.sandbox.image import ensure_image
 
@@ -95,9 +101,10 @@ def test_unknown_image_is_a_clear_error(state_dir: Path) -> None:
         ensure_image(SandboxSettings(image="nope", state_dir=state_dir))
 
 
+@pytest.mark.jail
 async def test_without_preforking(state_dir: Path) -> None:
     """The fork-on-demand path (also taken at saturation) keeps the same behaviour."""
-    settings = SandboxSettings(slots=1, prefork=False, uid_base=SandboxSettings().uid_base + 300)
+    settings = SandboxSettings(slots=1, prefork=False, uid_base=uids("no-prefork"))
     async with SlotPool(settings) as p:
         r = await p.run(ExecRequest(code="import sys\nprint(sys.stdin.read()[::-1])", stdin="abc"))
         assert r.status == "ok" and r.stdout == "cba\n"
@@ -108,6 +115,7 @@ async def test_without_preforking(state_dir: Path) -> None:
         assert p.restarts == 0
 
 
+@pytest.mark.jail
 async def test_a_call_that_cannot_start_by_its_deadline_is_not_run(run: Runner, pool: SlotPool) -> None:
     busy = "open('running', 'w').close()\nimport time\ntime.sleep(1.5)"
     blockers = [asyncio.create_task(run(busy, slot=s)) for s in (0, 1)]
@@ -120,6 +128,7 @@ async def test_a_call_that_cannot_start_by_its_deadline_is_not_run(run: Runner, 
     await asyncio.gather(*blockers)
 
 
+@pytest.mark.jail
 async def test_a_second_pool_may_not_share_the_uid_range(pool: SlotPool) -> None:
     from codeenv.errors import SandboxError
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from codeenv import SandboxSettings
-from tests.conftest import free_port, wait_ready
+from codeenv.bench.services import Service
+from tests.conftest import start_service
 from tests.test_api import _gauge
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.jail, pytest.mark.slow]
 
 WALL_S = 6.0
 
@@ -47,23 +46,18 @@ def _pool_process(serve_pid: int) -> int | None:
     return None
 
 
-async def _serve(port: int, uid_offset: int, **env: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "codeenv.cli", "serve", "--port", str(port), "--slots", "2", "--processes", "2",
-        "--log-level", "warning", "--log-format", "text",
-        env={"CODEENV_UID_BASE": str(SandboxSettings().uid_base + uid_offset),
-             "PATH": os.environ.get("PATH", "/usr/bin"), **env},
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+def _serve(log: Path, **env: str) -> Service:
+    return start_service("pool-process", "serve", "--slots", "2", "--processes", "2", "--log-level", "warning",
+                         "--log-format", "text", log=log, PATH=os.environ.get("PATH", "/usr/bin"), **env)
 
 
-async def test_a_killed_pool_process_is_restarted_and_its_calls_answered() -> None:
-    port = free_port()
-    proc = await _serve(port, 1300)
-    url = f"http://127.0.0.1:{port}"
+async def test_a_killed_pool_process_is_restarted_and_its_calls_answered(tmp_path: Path) -> None:
+    service = _serve(tmp_path / "serve.log")
+    url = service.url
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            await wait_ready(c)
-            pool_pid = _pool_process(proc.pid)
+            await service.await_ready(90)
+            pool_pid = _pool_process(service.pid)
             assert pool_pid is not None
             # Eight calls on two slots: two run, six wait for a slot when the pool process dies.
             clients = [httpx.AsyncClient(base_url=url, timeout=60) for _ in range(8)]
@@ -93,25 +87,22 @@ async def test_a_killed_pool_process_is_restarted_and_its_calls_answered() -> No
                     break
                 assert time.monotonic() < deadline, f"no call succeeded within 30 s of the kill: {r.text}"
                 await asyncio.sleep(0.2)
-            new_pid = _pool_process(proc.pid)
+            new_pid = _pool_process(service.pid)
             assert new_pid is not None and new_pid != pool_pid
     finally:
-        proc.terminate()
-        _, err = await asyncio.wait_for(proc.communicate(), 90)
-    assert proc.returncode in (0, -15), err.decode()[-3000:]
-    assert "the pool process exited with status -9" in err.decode()
+        status = await service.stop_async(90)
+    err = service.log_tail(10**9)
+    assert status in (0, -15), err[-3000:]
+    assert "the pool process exited with status -9" in err
 
 
-async def test_serve_exits_non_zero_when_its_pool_process_cannot_start() -> None:
-    port = free_port()
+async def test_serve_exits_non_zero_when_its_pool_process_cannot_start(tmp_path: Path) -> None:
     # The pool process's zygotes cannot start in time; serve itself (which starts none) can.
-    proc = await _serve(port, 1300, CODEENV_ZYGOTE_START_TIMEOUT_S="0.001")
+    service = _serve(tmp_path / "serve.log", CODEENV_ZYGOTE_START_TIMEOUT_S="0.001")
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), 120)
+        status = await asyncio.to_thread(service.wait, 120)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = err.decode()
-    assert proc.returncode == 2, text[-3000:]
+        service.kill()
+    text = service.log_tail(10**9)
+    assert status == 2, text[-3000:]
     assert "giving up" in text and "did not start" in text, text[-3000:]

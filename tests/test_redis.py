@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 from collections import Counter
@@ -23,23 +22,25 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from codeenv import ExecRequest, SandboxSettings, SlotPool
+from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
+from codeenv.bench.services import Service, free_port, start_codeenv, start_redis
+from codeenv.bench.uids import UID_BLOCKS
 from codeenv.models import ExecResult
 from codeenv.queue.redis import RedisQueue
 from codeenv.queue.redis_protocol import GROUP, Keys, encode_job
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import RedisServer, free_port, wait_ready
+from tests.conftest import uids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.jail, pytest.mark.redis, pytest.mark.slow]
 
 #: Fast failure detection for tests: a worker is dead 1 s after its last heartbeat.
 FAST = {"heartbeat_s": 0.2, "worker_dead_after_s": 1.0}
-UID_BASE = SandboxSettings().uid_base + 1000
+UID_BASE = uids("redis")  # each process below takes a few slots from an offset of its own
 
 
-def settings_for(server: RedisServer, prefix: str, **extra: Any) -> GatewaySettings:
+def settings_for(server: Service, prefix: str, **extra: Any) -> GatewaySettings:
     return GatewaySettings(slots=2, redis_url=server.url, redis_prefix=prefix, local_worker=False,
                            **(FAST | extra))
 
@@ -47,28 +48,24 @@ def settings_for(server: RedisServer, prefix: str, **extra: Any) -> GatewaySetti
 class WorkerProcess:
     """`codeenv worker` in a process of its own, logging one JSON line per call started."""
 
-    def __init__(self, server: RedisServer, prefix: str, uid_offset: int, log: Path, slots: int = 2) -> None:
-        self.server, self.prefix, self.log = server, prefix, log
+    def __init__(self, server: Service, prefix: str, uid_offset: int, log: Path, slots: int = 2) -> None:
+        assert uid_offset + slots <= len(UID_BLOCKS["tests.redis"]), "past the end of the suite's Redis uid block"
+        self.server, self.prefix, self.log, self.uid_base = server, prefix, log, UID_BASE + uid_offset
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CODEENV_REDIS_PREFIX": prefix,
-                    "CODEENV_UID_BASE": str(UID_BASE + uid_offset), "CODEENV_HEARTBEAT_S": "0.2",
-                    "CODEENV_WORKER_DEAD_AFTER_S": "1", "CODEENV_SLOTS": str(slots)}
-        self.proc: asyncio.subprocess.Process | None = None
+                    "CODEENV_HEARTBEAT_S": "0.2", "CODEENV_WORKER_DEAD_AFTER_S": "1", "CODEENV_SLOTS": str(slots)}
+        self.service: Service | None = None
 
     async def start(self) -> None:
-        with self.log.open("ab") as err:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "codeenv.cli", "worker", "--redis", self.server.url, "--log-level", "debug",
-                env=self.env, stdout=asyncio.subprocess.DEVNULL, stderr=err)
+        self.service = start_codeenv("worker", "--redis", self.server.url, "--log-level", "debug",
+                                     uid_base=self.uid_base, env=self.env, log=self.log)
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
+        assert self.service is not None
+        self.service.kill()
 
-    async def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.terminate()
-        return await asyncio.wait_for(self.proc.wait(), 60)
+    async def stop(self) -> int | None:
+        assert self.service is not None
+        return await self.service.stop_async(60)
 
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
@@ -77,7 +74,7 @@ class WorkerProcess:
         return [e["id"] for e in self.events() if e.get("event") == "start"]
 
 
-async def wait_for_workers(server: RedisServer, prefix: str, count: int, timeout: float = 90) -> None:
+async def wait_for_workers(server: Service, prefix: str, count: int, timeout: float = 90) -> None:
     r = aioredis.Redis(port=server.port, decode_responses=True)
     try:
         for _ in range(int(timeout / 0.1)):
@@ -95,7 +92,7 @@ async def prefix() -> str:
 
 
 @pytest_asyncio.fixture
-async def local_worker(redis_server: RedisServer, pool: SlotPool, prefix: str) -> AsyncIterator[StreamWorker]:
+async def local_worker(redis_server: Service, pool: SlotPool, prefix: str) -> AsyncIterator[StreamWorker]:
     worker = StreamWorker(settings_for(redis_server, prefix), pool=pool)
     await worker.start()
     yield worker
@@ -103,7 +100,7 @@ async def local_worker(redis_server: RedisServer, pool: SlotPool, prefix: str) -
 
 
 @pytest_asyncio.fixture
-async def gateway(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisQueue]:
+async def gateway(redis_server: Service, prefix: str) -> AsyncIterator[RedisQueue]:
     queue = RedisQueue(settings_for(redis_server, prefix))
     await queue.start()
     yield queue
@@ -115,7 +112,7 @@ def sleepy(i: int, seconds: float = 0.3) -> ExecRequest:
 
 
 async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
-        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
     workers = [WorkerProcess(redis_server, prefix, 10 * i, tmp_path / f"w{i}.log") for i in range(2)]
     await asyncio.gather(*(w.start() for w in workers))
     try:
@@ -147,7 +144,7 @@ async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
 
 
 async def test_the_dead_workers_pending_jobs_are_reclaimed(
-        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+        redis_server: Service, pool: SlotPool, prefix: str) -> None:
     """Entries pending to workers that died: unmarked ones run, marked ones are answered, and one
     that two workers died holding is not tried a third time."""
     settings = settings_for(redis_server, prefix)
@@ -191,7 +188,7 @@ async def test_the_dead_workers_pending_jobs_are_reclaimed(
 
 
 async def test_a_call_claimed_past_its_deadline_is_answered_not_run(
-        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+        redis_server: Service, pool: SlotPool, prefix: str) -> None:
     """The claim marks a job started; one whose deadline has passed must still get its answer."""
     keys = Keys(prefix)
     r = aioredis.Redis(port=redis_server.port, decode_responses=True)
@@ -217,7 +214,7 @@ async def test_a_call_claimed_past_its_deadline_is_answered_not_run(
 
 
 async def test_a_long_call_is_not_stolen_from_a_live_worker(
-        redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        redis_server: Service, pool: SlotPool, gateway: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="codeenv.worker")
     workers = [StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2)]
@@ -234,7 +231,7 @@ async def test_a_long_call_is_not_stolen_from_a_live_worker(
     assert len(starts) == 1
 
 
-async def test_two_workers_share_the_load(redis_server: RedisServer, gateway: RedisQueue, prefix: str,
+async def test_two_workers_share_the_load(redis_server: Service, gateway: RedisQueue, prefix: str,
                                           tmp_path: Path) -> None:
     workers = [WorkerProcess(redis_server, prefix, 100 + 10 * i, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
     await asyncio.gather(*(w.start() for w in workers))
@@ -250,20 +247,16 @@ async def test_two_workers_share_the_load(redis_server: RedisServer, gateway: Re
 
 
 async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
-        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
     worker = WorkerProcess(redis_server, prefix, 200, tmp_path / "w.log")
     await worker.start()
-    port = free_port()
-    env = dict(worker.env, CODEENV_UID_BASE=str(UID_BASE + 250))
-    first = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "codeenv.cli", "serve", "--redis", redis_server.url, "--no-local-worker",
-        "--port", str(port), "--log-level", "warning", env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    first = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--log-level", "warning",
+                          port=free_port(), uid_base=UID_BASE + 250, env=worker.env)
     requests = [sleepy(i, 0.4) for i in range(10)]
     try:
         await wait_for_workers(redis_server, prefix, 1)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            await wait_ready(c)
+        async with httpx.AsyncClient(base_url=first.url, timeout=30) as c:
+            await first.await_ready(90)
             body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
             sent = asyncio.ensure_future(c.post("/v1/execute/batch", json=body))
             await asyncio.sleep(0.6)
@@ -272,17 +265,14 @@ async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
                 await sent
         results = await asyncio.wait_for(gateway.submit(requests), 60)  # a new gateway, the same ids
     finally:
-        if first.returncode is None:
-            first.kill()
-        await first.wait()
+        first.kill()
         await worker.stop()
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
     assert Counter(worker.started_ids()) == Counter(f"call-{i}" for i in range(10))
 
 
 async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
-    server = RedisServer()
-    server.start()
+    server = start_redis()
     settings = settings_for(server, prefix)
     worker = StreamWorker(settings, pool=pool)
     queue = RedisQueue(settings)
@@ -304,9 +294,9 @@ async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
     try:
         clients = asyncio.gather(*(client(n) for n in range(3)))
         await asyncio.sleep(1.0)
-        server.stop()  # SIGKILL: everything in it is gone
+        server.kill()  # everything in it is gone
         await asyncio.sleep(1.0)
-        server.start()
+        server.start().wait_ready()
         restarted = len(outcomes)
         await asyncio.sleep(4.0)
         stop.set()
@@ -325,7 +315,7 @@ async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
     finally:
         await queue.close()
         await worker.stop()
-        server.stop()
+        server.kill()
 
 
 async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
@@ -346,7 +336,7 @@ async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
 
 
 async def test_a_full_queue_answers_overloaded_and_recovers(
-        redis_server: RedisServer, pool: SlotPool, prefix: str) -> None:
+        redis_server: Service, pool: SlotPool, prefix: str) -> None:
     settings = settings_for(redis_server, prefix, max_queued=5)
     queue = RedisQueue(settings)
     await queue.start()
@@ -374,7 +364,7 @@ async def test_a_full_queue_answers_overloaded_and_recovers(
 
 
 async def test_a_stopping_worker_hands_unstarted_calls_back(
-        redis_server: RedisServer, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        redis_server: Service, pool: SlotPool, gateway: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="codeenv.worker")
     # Two workers on one 2-slot pool: `second` busies both slots, then `first` claims two calls
@@ -403,7 +393,7 @@ async def test_a_stopping_worker_hands_unstarted_calls_back(
 
 
 @pytest.mark.parametrize("mode", ["embedded", "redis"])
-async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: RedisServer, pool: SlotPool,
+async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: Service, pool: SlotPool,
                                                   prefix: str) -> None:
     from tests.test_api import SharedPoolQueue
 
@@ -448,7 +438,7 @@ async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: Redis
 
 
 async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
-        redis_server: RedisServer, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
     """The result write is shielded: SIGTERM to a worker (with no grace for running calls) while
     its result write keeps failing still lets the result reach the gateway once Redis takes it."""
     worker = WorkerProcess(redis_server, prefix, 300, tmp_path / "w.log")
@@ -469,10 +459,10 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
         while json.loads(await r.hget(f"{prefix}:workers", name) or "{}").get("free") != 2:
             assert time.monotonic() < deadline, "the call never ended"
             await asyncio.sleep(0.02)  # the call has ended: its result write is failing and retried
-        assert worker.proc is not None
-        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.service is not None
+        os.kill(worker.service.pid, signal.SIGTERM)
         while not any("results before stopping" in e.get("message", "") for e in worker.events()):
-            assert worker.proc.returncode is None, "the worker stopped without writing the result"
+            assert worker.service.returncode is None, "the worker stopped without writing the result"
             assert time.monotonic() < deadline, "the worker never waited for its result write"
             await asyncio.sleep(0.05)
         assert not call.done()
@@ -483,5 +473,5 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
     finally:
         await r.execute_command("ACL", "SETUSER", "default", "+lpush")
         await r.aclose()
-        if worker.proc is not None and worker.proc.returncode is None:
+        if worker.service is not None and worker.service.returncode is None:
             worker.kill()

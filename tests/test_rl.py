@@ -10,6 +10,8 @@ import pytest
 from codeenv.models import ExecResult, Status
 from codeenv.rl import Rollout, ToolLedger, grpo_advantages, resample_on_correct
 
+pytestmark = pytest.mark.unit
+
 
 def rollout(reward: float, ok: int = 0, failed: int = 0, faults: int = 0, fmt: float = 0.0) -> Rollout:
     ledger = ToolLedger()

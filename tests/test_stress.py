@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from codeenv import ExecRequest, SlotPool
+
+pytestmark = [pytest.mark.jail, pytest.mark.slow]
 
 KINDS = {
     "ok": ("import math\nprint(math.factorial(20))", {}, "ok", "2432902008176640000\n"),

@@ -7,16 +7,19 @@ import os
 import signal
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox.zygote_proc import ZygoteProcess
-from tests.conftest import RUNNING_THEN_SLEEP, wait_until_running
+from tests.conftest import RUNNING_THEN_SLEEP, uids, wait_until_running
+
+pytestmark = pytest.mark.jail
 
 
 @pytest_asyncio.fixture(scope="module")
 async def small_pool() -> AsyncIterator[SlotPool]:
-    settings = SandboxSettings(slots=1, uid_base=SandboxSettings().uid_base + 100,
+    settings = SandboxSettings(slots=1, uid_base=uids("supervision"),
                                control_timeout_s=2, kill_grace_s=1)
     async with SlotPool(settings) as pool:
         yield pool
@@ -52,6 +55,7 @@ async def test_busy_zygote_killed_reports_started(small_pool: SlotPool) -> None:
     assert small_pool.restarts == before + 1
 
 
+@pytest.mark.slow
 async def test_hung_idle_zygote_is_redispatched_unstarted(small_pool: SlotPool) -> None:
     before = small_pool.restarts
     os.kill(light(small_pool).zygote_pid, signal.SIGSTOP)
@@ -60,6 +64,7 @@ async def test_hung_idle_zygote_is_redispatched_unstarted(small_pool: SlotPool) 
     assert small_pool.restarts >= before + 1
 
 
+@pytest.mark.slow
 async def test_hung_busy_zygote_hits_the_outside_watchdog(small_pool: SlotPool) -> None:
     before = small_pool.restarts
     task = asyncio.create_task(call(small_pool, "open('running', 'w').close()\nwhile True: pass", wall_s=1))

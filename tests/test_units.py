@@ -19,6 +19,8 @@ from codeenv.sandbox.zygote import frame, unframe
 from codeenv.sandbox.zygote_proc import Exited, Outcome
 from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
 
+pytestmark = pytest.mark.unit
+
 
 def test_public_api() -> None:
     for name in codeenv.__all__:

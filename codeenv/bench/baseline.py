@@ -63,9 +63,9 @@ class BaselineQueue:
 
     async def start(self) -> None:
         if self.design == "naive-jail":
-            from codeenv.sandbox.pool import _check_uids_free
+            from codeenv.sandbox.pool import check_uids_free
 
-            _check_uids_free(self.settings.uid_base, self.settings.slots)
+            check_uids_free(self.settings.uid_base, self.settings.slots)
         image = await asyncio.to_thread(ensure_image, self.settings)
         python, env = host_python_env(image)
         if self.design == "naive":

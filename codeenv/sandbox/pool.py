@@ -174,7 +174,7 @@ class SlotPool:
         try:
             plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
-            _check_uids_free(settings.uid_base, slots)
+            check_uids_free(settings.uid_base, slots)
         except SandboxError:
             self._tree.remove()
             self._tree = None
@@ -446,8 +446,11 @@ class SlotPool:
                                 logger.error("%s could not be restarted: %r", slot.worker, exc)
 
 
-def _check_uids_free(uid_base: int, slots: int) -> None:
-    """Refuse to share host uids with another worker's jails (RLIMIT_NPROC and signals are per uid)."""
+def check_uids_free(uid_base: int, slots: int) -> None:
+    """Refuse to share host uids with another worker's jails (RLIMIT_NPROC and signals are per uid).
+
+    SandboxError when a process runs as one of the host uids ``uid_base .. uid_base + slots - 1``.
+    """
     ours = range(uid_base, uid_base + slots)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -463,6 +466,10 @@ def _check_uids_free(uid_base: int, slots: int) -> None:
                 f"host uid {uid} (slot uids {uid_base}..{uid_base + slots - 1}) is in use by pid {entry.name}, "
                 "probably another codeenv worker: give each worker on a host its own CODEENV_UID_BASE"
             )
+
+
+#: The name doctor.py still imports; goes once it imports check_uids_free.
+_check_uids_free = check_uids_free
 
 
 def _remove_stale_runtime(runtime_dir: Path) -> None:

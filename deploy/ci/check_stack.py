@@ -15,25 +15,25 @@ import time
 
 import httpx
 
+from codeenv.bench.services import ServiceError, wait_ready
+
 NETWORK_ERRORS = {"OSError", "ConnectionRefusedError", "URLError", "gaierror", "TimeoutError",
                   "ConnectionError", "PermissionError"}
 
 
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {os.environ['CODEENV_TOKEN']}"}
+
+
 def client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {os.environ['CODEENV_TOKEN']}"})
+    return httpx.Client(base_url=url, timeout=120, headers=auth())
 
 
-def wait_ready(http: httpx.Client, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if http.get("/readyz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"the gateway was not ready within {timeout_s:.0f} s")
-        time.sleep(1)
+def gateway_ready(url: str, timeout_s: float = 240) -> None:
+    try:
+        wait_ready(url, timeout_s, headers=auth())
+    except ServiceError as exc:
+        sys.exit(f"the gateway: {exc}")
 
 
 def batch(http: httpx.Client, requests: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -51,8 +51,8 @@ def check(ok: bool, what: str, result: object) -> None:
 
 def basics(url: str) -> None:
     redis_port = int(os.environ.get("CODEENV_CI_REDIS_PORT", "26379"))
+    gateway_ready(url)
     with client(url) as http:
-        wait_ready(http)
         version, net, redis_, memory, fork, after = batch(http, [
             {"code": "import sys\nprint('%d.%d.%d' % sys.version_info[:3])"},
             {"code": "import urllib.request\nurllib.request.urlopen('http://deb.debian.org/', timeout=3)",
