@@ -41,7 +41,7 @@ from codeenv.sandbox.cgroups import (
     require_v2_controllers,
 )
 from codeenv.sandbox.image import ImageSpec, current_image, find_spec, spec_digest
-from codeenv.sandbox.pool import _check_traversable, _check_uids_free, nsjail_binary
+from codeenv.sandbox.pool import _check_traversable, check_uids_free, nsjail_binary
 from codeenv.sandbox.sizing import SlotPlan, cgroup_memory_limit, host_memory_mb, memory_allowance, plan_slots
 from codeenv.settings import SandboxSettings
 
@@ -259,7 +259,7 @@ def check_bpf(report: Report) -> None:
 def check_uids(report: Report, settings: SandboxSettings, slots: int) -> None:
     last = settings.uid_base + slots - 1
     try:
-        _check_uids_free(settings.uid_base, slots)
+        check_uids_free(settings.uid_base, slots)
     except SandboxError as exc:
         report.add("slot uids", Level.fail, str(exc))
         return

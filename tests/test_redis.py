@@ -447,15 +447,15 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
     r = aioredis.Redis(port=redis_server.port, decode_responses=True)
     try:
         await wait_for_workers(redis_server, prefix, 1)
+        # Result writes (the only LPUSH, inside the finish script) fail from now on; claims do not.
+        await r.execute_command("ACL", "SETUSER", "default", "-lpush")
         call = asyncio.ensure_future(gateway.submit([ExecRequest(
             code="import time\ntime.sleep(0.5)\nprint('kept')", id="kept-1")]))
-        deadline = time.monotonic() + 30
-        while not [k async for k in r.scan_iter(f"{prefix}:started:*")]:
+        deadline = time.monotonic() + 60
+        [name] = await r.hkeys(f"{prefix}:workers")
+        while "kept-1" not in worker.started_ids():
             assert time.monotonic() < deadline, "the call never started"
             await asyncio.sleep(0.02)
-        # Result writes (the only LPUSH, inside the finish script) now fail; claims do not.
-        await r.execute_command("ACL", "SETUSER", "default", "-lpush")
-        [name] = [k.split(":", 2)[2] async for k in r.scan_iter(f"{prefix}:alive:*")]
         while json.loads(await r.hget(f"{prefix}:workers", name) or "{}").get("free") != 2:
             assert time.monotonic() < deadline, "the call never ended"
             await asyncio.sleep(0.02)  # the call has ended: its result write is failing and retried

@@ -468,10 +468,6 @@ def check_uids_free(uid_base: int, slots: int) -> None:
             )
 
 
-#: The name doctor.py still imports; goes once it imports check_uids_free.
-_check_uids_free = check_uids_free
-
-
 def _remove_stale_runtime(runtime_dir: Path) -> None:
     """Runtime dirs of workers that died without closing their pool."""
     if not runtime_dir.is_dir():
