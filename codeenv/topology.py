@@ -255,16 +255,10 @@ def run_pool(settings: GatewaySettings, socket_path: Path) -> None:
         queue = embedded.from_settings(settings)
         server = HostSocketServer(queue, socket_path)
         await server.start()
-        stopped = asyncio.Event()
-        closing: list[asyncio.Task[None]] = []
-
-        def drain() -> None:
-            closing.append(asyncio.create_task(server.close()))
-            closing[0].add_done_callback(lambda _: stopped.set())
-
-        on_stop_signals(drain, queue.force)
-        await stopped.wait()
-        await closing[0]
+        stopping = asyncio.Event()
+        on_stop_signals(stopping.set, queue.force)  # a second signal cuts the close's grace short
+        await stopping.wait()
+        await server.close()
 
     asyncio.run(go())
 

@@ -213,16 +213,16 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
     code = body.code
     pytest_run = None
     if body.language == PYTEST:
-        if len(code.encode("utf-8", "surrogatepass")) > settings.max_code_bytes:
-            raise InvalidRequest(f"code is {len(code.encode('utf-8', 'surrogatepass'))} bytes; "
-                                 f"the limit is {settings.max_code_bytes}")
+        try:
+            source = code.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"code must be valid Unicode text (no lone surrogates): {exc}") from None
+        if len(source) > settings.max_code_bytes:
+            raise InvalidRequest(f"code is {len(source)} bytes; the limit is {settings.max_code_bytes}")
         # As SandboxFusion: the file is a NamedTemporaryFile in the work dir, run as `pytest FILE *args`.
         name = "tmp" + "".join(secrets.choice(_TMP_NAME_CHARS) for _ in range(8)) + ".py"
         pytest_run = PytestRun(tally=f".codeenv-pytest-{secrets.token_hex(8)}.json", token=secrets.token_hex(16))
-        try:
-            files[name] = base64.b64encode(code.encode("utf-8")).decode()
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"code must be valid Unicode text (no lone surrogates): {exc}") from None
+        files[name] = base64.b64encode(source).decode()
         fetch_files.append(pytest_run.tally)
         params = {"file": name, "args": body.args, "tally": pytest_run.tally, "token": pytest_run.token}
         code = f"{_pytest_driver()}\nrun({json.dumps(params)!r})\n"
