@@ -44,6 +44,8 @@ from codeenv.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
+#: How long a gateway's start waits for the pool process before going on without it.
+START_WAIT_S = 30.0
 MAX_FRAME = 1 << 30
 STATS_EVERY_S = 0.5
 
@@ -181,12 +183,14 @@ class HostSocketQueue:
         self._reconnecting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Connect if the pool process is up; else keep trying in the background (it may still be
-        starting its jails, or restarting): until then the queue is not ready and calls are
-        answered overloaded."""
+        """Connect to the pool process, waiting up to START_WAIT_S for it (it may still be starting
+        its jails): a gateway process answers no call before it can reach the pool. Past that, keep
+        trying in the background (not ready, calls answered overloaded), so that a pool process
+        that never comes up cannot hold the gateway's start-up, and its shutdown, forever."""
         try:
-            await self._open()
-        except (FileNotFoundError, ConnectionRefusedError):
+            async with asyncio.timeout(START_WAIT_S):
+                await self._connect()
+        except TimeoutError:
             self._lost = True
             self._reconnect_soon()
 
