@@ -23,9 +23,7 @@ import redis
 from rich.console import Console
 from rich.progress import Progress
 
-from codeenv import SandboxSettings
 from codeenv.bench.services import start_codeenv, start_redis
-from codeenv.bench.uids import uid_base
 from codeenv.queue.redis_protocol import DONE_TTL_S
 
 
@@ -73,7 +71,7 @@ async def main() -> None:
         for mode in ("embedded", "redis"):
             extra = ["--redis", redis_server.url] if mode == "redis" else []
             server = start_codeenv("serve", "--slots", str(args.slots), "--log-level", "warning", *extra,
-                                   port=args.port, uid_base=uid_base("benchmarks.burst", SandboxSettings().uid_base))
+                                   port=args.port)
             try:
                 await server.await_ready(90)
                 rss_before = _vm(server.pid, "VmRSS")

@@ -22,9 +22,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from codeenv import SandboxSettings
 from codeenv.bench.services import start_codeenv
-from codeenv.bench.uids import uid_base
 from codeenv.client import AsyncClient
 
 
@@ -70,8 +68,7 @@ async def main() -> None:
     parser.add_argument("--port", type=int, default=18961)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    server = start_codeenv("serve", "--slots", str(args.slots), "--log-level", "warning", port=args.port,
-                           uid_base=uid_base("benchmarks.client", SandboxSettings().uid_base))
+    server = start_codeenv("serve", "--slots", str(args.slots), "--log-level", "warning", port=args.port)
     url = server.url
     samples: dict[str, list[float]] = {}
     try:

@@ -31,7 +31,6 @@ from rich.table import Table
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.bench.baseline import BaselineQueue, host_python_env
-from codeenv.bench.uids import uid_base
 from codeenv.sandbox.image import ensure_image
 
 PRINT = "print(1)"
@@ -97,15 +96,13 @@ async def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     console = Console()
-    base = SandboxSettings().uid_base
-    settings = SandboxSettings(slots=args.slots, uid_base=uid_base("benchmarks.engine", base))
+    settings = SandboxSettings(slots=args.slots)
     image = ensure_image(settings, progress=lambda m: console.print(f"image: {m}"))
     n = lambda k: max(4, int(k * args.scale))  # noqa: E731
 
     # (a) and (b): the naive designs `codeenv bench` measures too (codeenv.bench.baseline), each on
     # as many calls at once as the pool has slots.
-    baselines = {design: BaselineQueue(design, settings.model_copy(
-        update={"uid_base": uid_base(f"benchmarks.engine-{design}", base)})) for design in ("naive", "naive-jail")}
+    baselines = {design: BaselineQueue(design, settings) for design in ("naive", "naive-jail")}
     host_python, env = host_python_env(image)
     bare = await subprocess_runner([host_python, "-c"], env)
     console.print(f"measuring on {os.cpu_count()} cores, {args.slots} slots, {args.rounds} alternating rounds ...")

@@ -26,7 +26,6 @@ from rich.console import Console
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.bench.services import start_codeenv, start_redis
-from codeenv.bench.uids import uid_base
 
 CLIENTS, BATCH, BATCHES_PER_CLIENT = 8, 32, 8
 
@@ -68,21 +67,18 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console()
-    base = SandboxSettings().uid_base
     redis_server = start_redis(args.port + 2)
     serve = ["serve", "--slots", str(args.slots), "--log-level", "warning"]
     servers = {
-        "http": start_codeenv(*serve, port=args.port, uid_base=uid_base("benchmarks.gateway-http", base)),
+        "http": start_codeenv(*serve, port=args.port),
         # Redis Streams with the worker in the gateway's process: one pool, as in the embedded case.
-        "redis": start_codeenv(*serve, "--redis", redis_server.url, port=args.port + 1,
-                               uid_base=uid_base("benchmarks.gateway-redis", base)),
+        "redis": start_codeenv(*serve, "--redis", redis_server.url, port=args.port + 1),
     }
     samples: dict[str, list[float]] = {}
     try:
         async with httpx.AsyncClient(base_url=servers["http"].url, timeout=120) as c, \
                 httpx.AsyncClient(base_url=servers["redis"].url, timeout=120) as rc, \
-                SlotPool(SandboxSettings(slots=args.slots,
-                                         uid_base=uid_base("benchmarks.gateway-direct", base))) as pool:
+                SlotPool(SandboxSettings(slots=args.slots)) as pool:
             for server in servers.values():
                 await server.await_ready(90)
             for _ in range(args.rounds):

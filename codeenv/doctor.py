@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -40,9 +39,11 @@ from codeenv.sandbox.cgroups import (
     CgroupLayout,
     require_v2_controllers,
 )
-from codeenv.sandbox.image import ImageSpec, current_image, find_spec, spec_digest
-from codeenv.sandbox.pool import _check_traversable, check_uids_free, nsjail_binary
+from codeenv.sandbox.image import Image, ImageSpec, current_image, find_spec, spec_digest
+from codeenv.sandbox.pool import _check_traversable, nsjail_binary
+from codeenv.sandbox.probe import missing_library, package_for, probe_jail
 from codeenv.sandbox.sizing import SlotPlan, cgroup_memory_limit, host_memory_mb, memory_allowance, plan_slots
+from codeenv.sandbox.uids import BLOCK, check_uids_free, claim_block
 from codeenv.settings import SandboxSettings
 
 #: The namespaces every jail is made of (jail.py sets each clone_new* flag).
@@ -256,14 +257,26 @@ def check_bpf(report: Report) -> None:
         report.add("unprivileged bpf", Level.ok, f"disabled ({value})" if value else "not available")
 
 
-def check_uids(report: Report, settings: SandboxSettings, slots: int) -> None:
-    last = settings.uid_base + slots - 1
+def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | None:
+    """The host uids a pool would run its slots as (claimed and released again), or None."""
+    if settings.uid_base is not None:
+        try:
+            check_uids_free(settings.uid_base, slots)
+        except SandboxError as exc:
+            report.add("slot uids", Level.fail, str(exc))
+            return None
+        last = settings.uid_base + slots - 1
+        report.add("slot uids", Level.ok, f"{settings.uid_base}..{last} unused (CODEENV_UID_BASE)")
+        return settings.uid_base
     try:
-        check_uids_free(settings.uid_base, slots)
+        block = claim_block(settings.uid_lock_dir, settings.uid_range_start)
     except SandboxError as exc:
         report.add("slot uids", Level.fail, str(exc))
-        return
-    report.add("slot uids", Level.ok, f"{settings.uid_base}..{last} unused (CODEENV_UID_BASE)")
+        return None
+    block.release()
+    report.add("slot uids", Level.ok, f"a free block from host uid {block.base} ({BLOCK} uids; locks in "
+                                      f"{settings.uid_lock_dir})")
+    return block.base
 
 
 def _tail(text: str) -> str:
@@ -271,47 +284,54 @@ def _tail(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def check_nsjail(report: Report, settings: SandboxSettings) -> None:
+def check_nsjail(report: Report, settings: SandboxSettings, image: Image | None, uid: int | None) -> None:
+    """The pool's own start check: one jail of the image, as a slot gets it (else only that nsjail runs)."""
     try:
         binary = nsjail_binary(settings)
-        done = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (CodeenvError, OSError, subprocess.SubprocessError) as exc:
+    except CodeenvError as exc:
         report.add("nsjail", Level.fail, str(exc))
         return
-    if done.returncode != 0 or "Usage" not in done.stdout + done.stderr:
-        report.add("nsjail", Level.fail, f"{binary} does not run: {_tail(done.stderr) or done.returncode}")
+    if image is None or uid is None:
+        try:
+            done = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as exc:
+            report.add("nsjail", Level.fail, f"{binary} does not run: {exc}")
+            return
+        library = missing_library(done.stderr)
+        if library is not None:
+            report.add("nsjail", Level.fail, f"{binary} cannot run: its shared library {library} is missing; "
+                                             f"install the Debian package {package_for(library)}")
+        elif "Usage" not in done.stdout + done.stderr:
+            report.add("nsjail", Level.fail, f"{binary} does not run: {_tail(done.stderr) or done.returncode}")
+        else:
+            report.add("nsjail", Level.warn, f"{binary} runs; no jail tried (no built image or no free uids)")
         return
-    true = shutil.which("true") or "/bin/true"
     try:
-        jail = subprocess.run([str(binary), "-Mo", "-Q", "--chroot", "/", "--time_limit", "10", "--", true],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError) as exc:
-        report.add("nsjail", Level.fail, f"{binary} cannot run a jail: {exc}")
+        probe_jail(settings, image, binary, uid)
+    except SandboxError as exc:
+        report.add("nsjail", Level.fail, str(exc))
         return
-    if jail.returncode != 0:
-        report.add("nsjail", Level.fail, f"{binary} cannot run a jail: {_tail(jail.stderr) or jail.returncode}")
-        return
-    report.add("nsjail", Level.ok, f"{binary} runs a jail")
+    report.add("nsjail", Level.ok, f"{binary} runs a jail of {image.name} as host uid {uid}")
 
 
-def check_image(report: Report, settings: SandboxSettings) -> ImageSpec | None:
+def check_image(report: Report, settings: SandboxSettings) -> tuple[ImageSpec | None, Image | None]:
     try:
         spec, raw = find_spec(settings.image)
         image = current_image(settings.images_dir, spec.name, spec_digest(raw))
     except CodeenvError as exc:
         report.add("sandbox image", Level.fail, str(exc))
-        return None
+        return None, None
     if image is None:
         report.add("sandbox image", Level.warn, f"{spec.name} is not built (or its declaration changed): the worker "
                                                 f"builds it at start, or run `codeenv image build {settings.image}`")
-        return spec
+        return spec, None
     try:
         _check_traversable(image.root)
     except SandboxError as exc:
         report.add("sandbox image", Level.fail, str(exc))
-        return spec
+        return spec, None
     report.add("sandbox image", Level.ok, f"{image.name} {image.short_hash} at {image.path}")
-    return spec
+    return spec, image
 
 
 def run_checks(settings: SandboxSettings) -> Report:
@@ -320,12 +340,12 @@ def run_checks(settings: SandboxSettings) -> Report:
     check_process(report)
     check_namespaces(report)
     check_seccomp(report)
-    check_nsjail(report, settings)
     layout = check_cgroups(report, settings.cgroup_root)
-    spec = check_image(report, settings)
+    spec, image = check_image(report, settings)
     check_memory(report, settings, layout, spec)
     check_swap(report, layout)
-    check_uids(report, settings, settings.slots)
+    uid = check_uids(report, settings, settings.slots)
+    check_nsjail(report, settings, image, uid)  # the pool's start check: one jail
     check_bpf(report)
     return report
 

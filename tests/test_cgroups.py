@@ -32,7 +32,7 @@ from codeenv.sandbox.sizing import (
     memory_allowance,
     plan_slots,
 )
-from tests.conftest import jail_env, uids
+from tests.conftest import jail_env
 
 V2_ALL = "cpuset cpu io memory pids"
 
@@ -397,7 +397,7 @@ async def test_pool_runs_the_slots_that_fit(caplog: pytest.LogCaptureFixture,
     """A real pool asked for 2 slots where its cgroup's memory holds 1 of them starts 1, and says so."""
     allowance = cgroup_limited
     call_mb = allowance.limit_mb * 3 // 4 - 208
-    pool = SlotPool(settings(2, call_mb, uid_base=uids("cgroups")))
+    pool = SlotPool(settings(2, call_mb))
     with caplog.at_level(logging.WARNING):
         async with pool:
             assert len(pool.slots) == 1
@@ -409,7 +409,7 @@ async def test_pool_runs_the_slots_that_fit(caplog: pytest.LogCaptureFixture,
 @pytest.mark.jail
 async def test_pool_refuses_when_not_one_slot_fits() -> None:
     allowance = memory_allowance(CgroupLayout.detect())
-    pool = SlotPool(settings(1, allowance.limit_mb + 1, uid_base=uids("cgroups")))
+    pool = SlotPool(settings(1, allowance.limit_mb + 1))
     with pytest.raises(SandboxError, match="memory: one slot needs"):
         await pool.start()
     assert pool.slots == []
@@ -417,7 +417,7 @@ async def test_pool_refuses_when_not_one_slot_fits() -> None:
 
 @pytest.mark.jail
 def test_serve_refuses_before_binding_when_not_one_slot_fits() -> None:
-    env = jail_env("cgroups", CODEENV_CAPS__MEMORY_MB=str(10**7))
+    env = jail_env(CODEENV_CAPS__MEMORY_MB=str(10**7))
     done = subprocess.run([sys.executable, "-m", "codeenv.cli", "serve", "--port", "1"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 2
@@ -430,7 +430,7 @@ async def test_pool_warns_when_zygotes_are_heavier_than_estimated(caplog: pytest
     """An estimate of 1 MB lets a slot with a call cap of all but 50 MB start; the zygotes it then
     measures (python-math: about 170 MB a slot) no longer fit, and it says what to set."""
     allowance = cgroup_limited
-    pool = SlotPool(settings(1, allowance.limit_mb - 50, 1, uid_base=uids("cgroups")))
+    pool = SlotPool(settings(1, allowance.limit_mb - 50, 1))
     with caplog.at_level(logging.WARNING):
         async with pool:
             measured_mb = sum(z.baseline_memory for z in pool.slots[0].zygotes.values()) >> 20

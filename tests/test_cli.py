@@ -17,7 +17,7 @@ CLI = [sys.executable, "-m", "codeenv.cli"]
 
 
 async def cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
-    env = jail_env("cli")
+    env = jail_env()
     proc = await asyncio.create_subprocess_exec(
         *CLI, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=env)

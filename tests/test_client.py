@@ -157,7 +157,7 @@ async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
 @pytest.mark.jail
 async def test_the_sync_client_works_inside_a_running_loop() -> None:
     """As in Jupyter: a loop is running in this thread, and the blocking client still works."""
-    service = start_service("client", "serve", "--slots", "1", "--log-level", "warning")
+    service = start_service("serve", "--slots", "1", "--log-level", "warning")
     try:
         await service.await_ready(90)
         # Blocking calls inside a running loop are the point of this test.

@@ -17,7 +17,7 @@ from sandbox_fusion import RunCodeRequest, run_code
 from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.settings import GatewaySettings
-from tests.conftest import serving, uids
+from tests.conftest import serving
 from tests.test_api import SharedPoolQueue
 
 pytestmark = pytest.mark.jail
@@ -373,7 +373,7 @@ async def test_the_math_verify_image_runs_a_reward_check() -> None:
     """The shipped reward image recipe builds, and a trainer's reward check runs in its jails."""
     from codeenv import ExecRequest, SandboxSettings
 
-    settings = SandboxSettings(slots=1, image="python-math-verify", uid_base=uids("math-verify"))
+    settings = SandboxSettings(slots=1, image="python-math-verify")
     async with SlotPool(settings) as reward_pool:
         code = ("from math_verify import parse, verify\n"
                 "print(verify(parse('$\\\\frac{1}{2}$'), parse('0.5')), verify(parse('$3$'), parse('4')))")

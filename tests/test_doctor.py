@@ -13,14 +13,14 @@ import pytest
 
 from codeenv import SandboxSettings
 from codeenv.doctor import Level, run_checks
-from tests.conftest import jail_env, uids
+from tests.conftest import jail_env
 
 pytestmark = pytest.mark.jail
 
 
 def doctor(*args: str) -> tuple[int, str, str]:
     done = subprocess.run([sys.executable, "-m", "codeenv.cli", "doctor", *args], capture_output=True, text=True,
-                          env=jail_env("doctor"), timeout=120)
+                          env=jail_env(), timeout=120)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -78,7 +78,7 @@ def test_v2_plan_is_reported_not_carried_out(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
     (tmp_path / "cgroup.subtree_control").write_text("")
     (tmp_path / "cgroup.procs").write_text(f"1\n{os.getpid()}\n")
-    report = run_checks(SandboxSettings(cgroup_root=tmp_path, uid_base=uids("doctor")))
+    report = run_checks(SandboxSettings(cgroup_root=tmp_path))
     cgroup = next(c for c in report.checks if c.name == "cgroup")
     assert cgroup.status == Level.ok
     assert cgroup.detail == (f"v2 at {tmp_path}, offering cpu memory pids; the worker will move the 2 process(es) of "

@@ -12,7 +12,7 @@ import pytest
 
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings, SlotPool
 from codeenv.errors import ImageError, PoolClosed
-from tests.conftest import RUNNING_THEN_SLEEP, Runner, uids, wait_until_running
+from tests.conftest import RUNNING_THEN_SLEEP, Runner, wait_until_running
 
 
 @pytest.mark.jail
@@ -77,8 +77,7 @@ async def test_a_declared_image_builds_and_runs(state_dir: Path, tmp_path: Path)
         '[[profiles]]\nname = "only"\ncovers = ["*"]\npreload = ["fractions"]\n'
     )
     messages: list[str] = []
-    settings = SandboxSettings(slots=1, image=str(spec), state_dir=state_dir,
-                               uid_base=uids("image"))
+    settings = SandboxSettings(slots=1, image=str(spec), state_dir=state_dir)
     async with SlotPool(settings, progress=messages.append) as tiny:
         r = await tiny.run(ExecRequest(code="import os, fractions, sys\n"
                                        "print(os.environ['TINY'], os.environ['PYTHONHASHSEED'], sys.version_info[:2])"))
@@ -104,7 +103,7 @@ def test_unknown_image_is_a_clear_error(state_dir: Path) -> None:
 @pytest.mark.jail
 async def test_without_preforking(state_dir: Path) -> None:
     """The fork-on-demand path (also taken at saturation) keeps the same behaviour."""
-    settings = SandboxSettings(slots=1, prefork=False, uid_base=uids("no-prefork"))
+    settings = SandboxSettings(slots=1, prefork=False)
     async with SlotPool(settings) as p:
         r = await p.run(ExecRequest(code="import sys\nprint(sys.stdin.read()[::-1])", stdin="abc"))
         assert r.status == "ok" and r.stdout == "cba\n"
@@ -133,5 +132,5 @@ async def test_a_second_pool_may_not_share_the_uid_range(pool: SlotPool) -> None
     from codeenv.errors import SandboxError
 
     with pytest.raises(SandboxError, match="CODEENV_UID_BASE"):
-        async with SlotPool(SandboxSettings(slots=1, uid_base=pool.settings.uid_base)):
+        async with SlotPool(SandboxSettings(slots=1, uid_base=pool.uid_base)):
             pass

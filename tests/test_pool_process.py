@@ -47,7 +47,7 @@ def _pool_process(serve_pid: int) -> int | None:
 
 
 def _serve(log: Path, **env: str) -> Service:
-    return start_service("pool-process", "serve", "--slots", "2", "--processes", "2", "--log-level", "warning",
+    return start_service("serve", "--slots", "2", "--processes", "2", "--log-level", "warning",
                          "--log-format", "text", log=log, PATH=os.environ.get("PATH", "/usr/bin"), **env)
 
 

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import time
 import uuid
@@ -25,19 +26,17 @@ import redis.asyncio as aioredis
 from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
 from codeenv.bench.services import Service, free_port, start_codeenv, start_redis
-from codeenv.bench.uids import UID_BLOCKS
 from codeenv.models import ExecResult
 from codeenv.queue.redis import RedisQueue
 from codeenv.queue.redis_protocol import GROUP, Keys, encode_job
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
-from tests.conftest import uids
+from tests.conftest import until
 
 pytestmark = [pytest.mark.jail, pytest.mark.redis, pytest.mark.slow]
 
 #: Fast failure detection for tests: a worker is dead 1 s after its last heartbeat.
 FAST = {"heartbeat_s": 0.2, "worker_dead_after_s": 1.0}
-UID_BASE = uids("redis")  # each process below takes a few slots from an offset of its own
 
 
 def settings_for(server: Service, prefix: str, **extra: Any) -> GatewaySettings:
@@ -48,16 +47,15 @@ def settings_for(server: Service, prefix: str, **extra: Any) -> GatewaySettings:
 class WorkerProcess:
     """`codeenv worker` in a process of its own, logging one JSON line per call started."""
 
-    def __init__(self, server: Service, prefix: str, uid_offset: int, log: Path, slots: int = 2) -> None:
-        assert uid_offset + slots <= len(UID_BLOCKS["tests.redis"]), "past the end of the suite's Redis uid block"
-        self.server, self.prefix, self.log, self.uid_base = server, prefix, log, UID_BASE + uid_offset
+    def __init__(self, server: Service, prefix: str, log: Path, slots: int = 2) -> None:
+        self.server, self.prefix, self.log = server, prefix, log
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CODEENV_REDIS_PREFIX": prefix,
                     "CODEENV_HEARTBEAT_S": "0.2", "CODEENV_WORKER_DEAD_AFTER_S": "1", "CODEENV_SLOTS": str(slots)}
         self.service: Service | None = None
 
     async def start(self) -> None:
         self.service = start_codeenv("worker", "--redis", self.server.url, "--log-level", "debug",
-                                     uid_base=self.uid_base, env=self.env, log=self.log)
+                                     env=self.env, log=self.log)
 
     def kill(self) -> None:
         assert self.service is not None
@@ -69,6 +67,12 @@ class WorkerProcess:
 
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+    def uid_base(self) -> int:
+        """The first host uid of the block its pool claimed (from the pool's "ready" line)."""
+        found = re.findall(r"host uids from (\d+)", self.log.read_text())
+        assert found, "the worker's pool did not say which uids it runs on"
+        return int(found[-1])
 
     def started_ids(self) -> list[str]:
         return [e["id"] for e in self.events() if e.get("event") == "start"]
@@ -113,7 +117,7 @@ def sleepy(i: int, seconds: float = 0.3) -> ExecRequest:
 
 async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
         redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
-    workers = [WorkerProcess(redis_server, prefix, 10 * i, tmp_path / f"w{i}.log") for i in range(2)]
+    workers = [WorkerProcess(redis_server, prefix, tmp_path / f"w{i}.log") for i in range(2)]
     await asyncio.gather(*(w.start() for w in workers))
     try:
         await wait_for_workers(redis_server, prefix, 2)
@@ -124,6 +128,12 @@ async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
             await asyncio.sleep(0.05)
         workers[0].kill()
         results = await asyncio.wait_for(batch, 60)
+        # The killed worker's uid block is free again for the next process that needs one.
+        replacement = WorkerProcess(redis_server, prefix, tmp_path / "w2.log")
+        workers.append(replacement)
+        await replacement.start()
+        await until(lambda: "host uids from" in replacement.log.read_text(), "the replacement's pool started", 90)
+        assert replacement.uid_base() == workers[0].uid_base()
     finally:
         for w in workers:
             await w.stop()
@@ -231,27 +241,36 @@ async def test_a_long_call_is_not_stolen_from_a_live_worker(
     assert len(starts) == 1
 
 
-async def test_two_workers_share_the_load(redis_server: Service, gateway: RedisQueue, prefix: str,
-                                          tmp_path: Path) -> None:
-    workers = [WorkerProcess(redis_server, prefix, 100 + 10 * i, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
+async def test_two_workers_and_a_gateway_on_one_host_share_the_load(redis_server: Service, prefix: str,
+                                                                    tmp_path: Path) -> None:
+    # Three `codeenv` processes on one host and not one uid setting: each worker claims its own block.
+    workers = [WorkerProcess(redis_server, prefix, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
     await asyncio.gather(*(w.start() for w in workers))
+    gateway = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--log-level", "warning",
+                            port=free_port(), env=workers[0].env)
     try:
         await wait_for_workers(redis_server, prefix, 2)
-        results = await asyncio.wait_for(gateway.submit([sleepy(i, 0.05) for i in range(60)]), 60)
+        await gateway.await_ready(90)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            batch = {"requests": [sleepy(i, 0.05).model_dump(exclude_none=True) for i in range(60)]}
+            results = [ExecResult.model_validate(r) for r in
+                       (await client.post("/v1/execute/batch", json=batch)).json()["results"]]
     finally:
+        await gateway.stop_async(60)
         for w in workers:
             assert await w.stop() == 0  # a graceful stop on SIGTERM
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(60)]
     by_worker = Counter(r.worker.rsplit("/", 1)[0] for r in results)
     assert len(by_worker) == 2 and min(by_worker.values()) >= 10, by_worker
+    assert workers[0].uid_base() != workers[1].uid_base()
 
 
 async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
         redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
-    worker = WorkerProcess(redis_server, prefix, 200, tmp_path / "w.log")
+    worker = WorkerProcess(redis_server, prefix, tmp_path / "w.log")
     await worker.start()
     first = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--log-level", "warning",
-                          port=free_port(), uid_base=UID_BASE + 250, env=worker.env)
+                          port=free_port(), env=worker.env)
     requests = [sleepy(i, 0.4) for i in range(10)]
     try:
         await wait_for_workers(redis_server, prefix, 1)
@@ -441,7 +460,7 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
         redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
     """The result write is shielded: SIGTERM to a worker (with no grace for running calls) while
     its result write keeps failing still lets the result reach the gateway once Redis takes it."""
-    worker = WorkerProcess(redis_server, prefix, 300, tmp_path / "w.log")
+    worker = WorkerProcess(redis_server, prefix, tmp_path / "w.log")
     worker.env["CODEENV_SHUTDOWN_GRACE_S"] = "0"
     await worker.start()
     r = aioredis.Redis(port=redis_server.port, decode_responses=True)

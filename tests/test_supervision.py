@@ -12,15 +12,14 @@ import pytest_asyncio
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox.zygote_proc import ZygoteProcess
-from tests.conftest import RUNNING_THEN_SLEEP, uids, wait_until_running
+from tests.conftest import RUNNING_THEN_SLEEP, wait_until_running
 
 pytestmark = pytest.mark.jail
 
 
 @pytest_asyncio.fixture(scope="module")
 async def small_pool() -> AsyncIterator[SlotPool]:
-    settings = SandboxSettings(slots=1, uid_base=uids("supervision"),
-                               control_timeout_s=2, kill_grace_s=1)
+    settings = SandboxSettings(slots=1, control_timeout_s=2, kill_grace_s=1)
     async with SlotPool(settings) as pool:
         yield pool
 

@@ -29,6 +29,7 @@ from codeenv.admission import resolve_limits
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each
 from codeenv.sandbox.image import Image, ensure_image
+from codeenv.sandbox.uids import UidBlock, check_uids_free, claim_block
 from codeenv.settings import SandboxSettings
 
 DESIGNS = ("naive", "naive-jail")
@@ -53,7 +54,8 @@ class BaselineQueue:
             raise ValueError(f"unknown baseline {design!r}; choose from {', '.join(DESIGNS)}")
         self.design = design
         self.settings = settings
-        self._free_uids = list(range(settings.uid_base, settings.uid_base + settings.slots))
+        self._free_uids: list[int] = []  # host uids of the slots not running a call (naive-jail)
+        self._uids: UidBlock | None = None
         self._slots = asyncio.Semaphore(settings.slots)
         self._waiting = 0
         self._calls = 0
@@ -63,9 +65,15 @@ class BaselineQueue:
 
     async def start(self) -> None:
         if self.design == "naive-jail":
-            from codeenv.sandbox.pool import check_uids_free
-
-            check_uids_free(self.settings.uid_base, self.settings.slots)
+            base = self.settings.uid_base
+            if base is None:
+                self._uids = claim_block(self.settings.uid_lock_dir, self.settings.uid_range_start)
+                base = self._uids.base
+            else:
+                check_uids_free(base, self.settings.slots)
+            self._free_uids = list(range(base, base + self.settings.slots))
+        else:
+            self._free_uids = [0] * self.settings.slots
         image = await asyncio.to_thread(ensure_image, self.settings)
         python, env = host_python_env(image)
         if self.design == "naive":
@@ -91,6 +99,8 @@ class BaselineQueue:
     async def close(self) -> None:
         for path in self._configs.values():
             path.unlink(missing_ok=True)
+        if self._uids is not None:
+            self._uids.release()
 
     def ready(self) -> bool:
         return bool(self._argv)

@@ -1,7 +1,7 @@
 """Start a codeenv service (or a redis-server) as a subprocess on 127.0.0.1, wait until it is ready,
 stop it by PID: the one starter that `codeenv bench`, the benchmarks and the tests share.
 
-    with start_codeenv("serve", "--slots", "2", port=free_port(), uid_base=base, log=path) as service:
+    with start_codeenv("serve", "--slots", "2", port=free_port(), log=path) as service:
         service.wait_ready()               # in async code: await service.await_ready()
         httpx.post(service.url + "/v1/execute", json={"code": "print(1)"})
 
@@ -184,14 +184,18 @@ class Service:
         await self.stop_async()
 
 
-def start_codeenv(*args: str, uid_base: int, port: int | None = None, env: Mapping[str, str] | None = None,
-                  log: Path | None = None) -> Service:
-    """`codeenv ARGS [--port PORT]` (this interpreter's codeenv), its slots on host uids from `uid_base`.
+def start_codeenv(*args: str, port: int | None = None, env: Mapping[str, str] | None = None,
+                  log: Path | None = None, uid_base: int | None = None) -> Service:
+    """`codeenv ARGS [--port PORT]` (this interpreter's codeenv).
 
-    `env` replaces this process's environment (CODEENV_UID_BASE is set on top of it).
+    `env` replaces this process's environment. Its slots run on a block of host uids that it claims
+    itself, or from `uid_base` when given (CODEENV_UID_BASE; one inherited from `env` is dropped, so
+    that services started side by side never share one).
     """
     argv = [sys.executable, "-m", "codeenv.cli", *args, *(["--port", str(port)] if port is not None else [])]
-    environment = {**(os.environ if env is None else env), "CODEENV_UID_BASE": str(uid_base)}
+    environment = {k: v for k, v in (os.environ if env is None else env).items() if k != "CODEENV_UID_BASE"}
+    if uid_base is not None:
+        environment["CODEENV_UID_BASE"] = str(uid_base)
     url = f"http://127.0.0.1:{port}" if port is not None else None
     return Service(f"codeenv {args[0]}" if args else "codeenv", argv, port=port, url=url, env=environment,
                    log=log).start()

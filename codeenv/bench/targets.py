@@ -17,8 +17,6 @@ from urllib.parse import urlsplit
 
 from codeenv.bench.apis import TargetError
 from codeenv.bench.services import Service, free_port, start_codeenv, start_redis
-from codeenv.bench.uids import uid_base
-from codeenv.settings import SandboxSettings
 
 SPAWNABLE = ("codeenv", "codeenv-redis", "naive", "naive-jail")
 
@@ -41,8 +39,6 @@ def target(spec: str, slots: int | None = None) -> Iterator[str]:
                               f"{', '.join(SPAWNABLE)} to have the bench start it")
         yield spec.rstrip("/")
         return
-    # Each spawned target's slots run on host uids of their own (a block of codeenv.bench.uids).
-    uids = uid_base(f"bench.{spec}", SandboxSettings().uid_base)
     sized = ["--slots", str(slots)] if slots else []
     services: list[Service] = []
     with tempfile.TemporaryDirectory(prefix="codeenv-bench-") as tmp:
@@ -55,7 +51,7 @@ def target(spec: str, slots: int | None = None) -> Iterator[str]:
                 cmd = ["serve", "--log-level", "warning", "--log-format", "text", *sized]
             else:
                 cmd = ["baseline", spec, *sized]
-            services.append(start_codeenv(*cmd, port=free_port(), uid_base=uids, log=log))
+            services.append(start_codeenv(*cmd, port=free_port(), log=log))
             yield services[-1].wait_ready().url
         finally:
             for service in reversed(services):

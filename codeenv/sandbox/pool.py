@@ -33,8 +33,10 @@ from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
+from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
+from codeenv.sandbox.uids import UidBlock, check_uids_free, claim_block
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote_proc import ZygoteProcess
 from codeenv.settings import SandboxSettings
@@ -154,6 +156,9 @@ class SlotPool:
         self._open = False
         self.stats: Counter[str] = Counter()  # results by status
         self.calls_started = 0  # calls that reached a zygote (what "ran once" is counted by)
+        #: Slot i runs as host uid uid_base + i: settings.uid_base, or the block claimed at start.
+        self.uid_base = self.settings.uid_base or 0
+        self._uids: UidBlock | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -174,10 +179,20 @@ class SlotPool:
         try:
             plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
-            check_uids_free(settings.uid_base, slots)
+            if settings.uid_base is None:
+                self._uids = await asyncio.to_thread(claim_block, settings.uid_lock_dir, settings.uid_range_start)
+                self.uid_base = self._uids.base
+            else:
+                check_uids_free(settings.uid_base, slots)
+                self.uid_base = settings.uid_base
+            # One jail first: a host that cannot run jails gets one line saying why (StartFailure).
+            await asyncio.to_thread(probe_jail, settings, self.image, nsjail, self.uid_base)
         except SandboxError:
             self._tree.remove()
             self._tree = None
+            if self._uids is not None:
+                self._uids.release()
+                self._uids = None
             raise
         self._runtime = settings.runtime_dir / tag
         zygote_dir = self._runtime / "zygote"
@@ -191,7 +206,7 @@ class SlotPool:
         for i in range(slots):
             zygotes = {
                 profile.name: ZygoteProcess(
-                    settings, self.image, profile, settings.uid_base + i,
+                    settings, self.image, profile, self.uid_base + i,
                     self._tree.group(f"slot{i}-{profile.name}"), nsjail, self._runtime, zygote_dir,
                 )
                 for profile in self.image.spec.profiles
@@ -209,8 +224,9 @@ class SlotPool:
         self._check_measured_memory(plan)
         self._open = True
         self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
-        logger.info("slot pool ready: %d slots x %d profiles, image %s (%s)", len(self.slots),
-                    len(self.image.spec.profiles), self.image.name, self.image.short_hash)
+        logger.info("slot pool ready: %d slots x %d profiles, image %s (%s), host uids from %d%s", len(self.slots),
+                    len(self.image.spec.profiles), self.image.name, self.image.short_hash, self.uid_base,
+                    f" (block {self._uids.path.name})" if self._uids is not None else " (CODEENV_UID_BASE)")
 
     def _check_measured_memory(self, plan: SlotPlan) -> None:
         """Warn if the zygotes turned out heavier than estimated and the slots no longer fit."""
@@ -241,6 +257,9 @@ class SlotPool:
             self._tree.remove()
         if self._runtime is not None:
             shutil.rmtree(self._runtime, ignore_errors=True)
+        if self._uids is not None:  # after the last jail is gone: its uids are free now
+            self._uids.release()
+            self._uids = None
         logger.info("slot pool closed: %s; %d slot restarts",
                     dict(self.stats) or "no calls", self.restarts)
         self.slots = []
@@ -444,28 +463,6 @@ class SlotPool:
                                 await slot.recycle(zygote, "it stopped answering while idle")
                             except Exception as exc:
                                 logger.error("%s could not be restarted: %r", slot.worker, exc)
-
-
-def check_uids_free(uid_base: int, slots: int) -> None:
-    """Refuse to share host uids with another worker's jails (RLIMIT_NPROC and signals are per uid).
-
-    SandboxError when a process runs as one of the host uids ``uid_base .. uid_base + slots - 1``.
-    """
-    ours = range(uid_base, uid_base + slots)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            uid = entry.stat().st_uid
-            if uid in ours and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
-                continue  # a process that has exited and is being reaped holds nothing
-        except OSError:
-            continue
-        if uid in ours:
-            raise SandboxError(
-                f"host uid {uid} (slot uids {uid_base}..{uid_base + slots - 1}) is in use by pid {entry.name}, "
-                "probably another codeenv worker: give each worker on a host its own CODEENV_UID_BASE"
-            )
 
 
 def _remove_stale_runtime(runtime_dir: Path) -> None:

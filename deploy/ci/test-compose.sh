@@ -92,7 +92,7 @@ compose up -d --no-build --scale worker=2 >/dev/null 2>&1
 bases=()
 for c in $(podman ps --format '{{.Names}}' --filter "label=io.podman.compose.project=$PROJECT" | grep _worker_); do
     calls=$(podman logs "$c" 2>&1 | grep -c '"event": "start"' || true)
-    base=$(podman logs "$c" 2>&1 | sed -n 's/.*slots run as host uids from \([0-9]*\).*/\1/p' | tail -1)
+    base=$(podman logs "$c" 2>&1 | sed -n 's/.*host uids from \([0-9]*\).*/\1/p' | tail -1)
     echo "     $c ran $calls calls, slots from host uid $base"
     [ "$calls" -gt 0 ] || { echo "FAIL: $c ran no call"; exit 1; }
     bases+=("$base")
