@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from codeenv.admission import resolve_limits
 from codeenv.errors import CodeenvError
@@ -309,6 +310,37 @@ def image_build(
     except CodeenvError as exc:
         raise _fail(str(exc)) from exc
     print(f"{built.name} {built.content_hash} {built.root}")
+
+
+@image_app.command("syscalls")
+def image_syscalls(
+    name: Annotated[str, typer.Argument(help="image name")] = "python-math",
+    program: Annotated[list[Path] | None, typer.Option(
+        "--program", help="a program of your own to run as well (repeatable)")] = None,
+    write: Annotated[bool, typer.Option("--write", help="add what was missing to the image's syscalls.txt")] = False,
+) -> None:
+    """Regenerate an image's seccomp allowlist: run the probes, the bench workloads and your programs
+    in audit mode and print the system calls they made outside the list (needs the kernel log)."""
+    from codeenv.sandbox import seccomp
+    from codeenv.sandbox.syscall_audit import PROBES, audit, syscall_names, workload_programs
+
+    try:
+        programs = {**PROBES, **workload_programs(), **{str(p): p.read_text() for p in program or []}}
+        logged, statuses = asyncio.run(audit(SandboxSettings(image=name), programs))
+        path = seccomp.syscalls_file(name)
+        allowed = set(seccomp.read_allowlist(path))
+    except (CodeenvError, OSError) as exc:
+        raise _fail(str(exc)) from exc
+    for label, status in statuses.items():
+        if status != "ok":
+            err.print(f"[yellow]{escape(label)}[/]: {escape(status)}")
+    names = syscall_names()
+    missing = sorted({names.get(number, f"SYSCALL[{number}]") for number in logged} - allowed)
+    print("\n".join(missing) if missing else f"# every call the programs made is in {path}")
+    if write and missing:
+        with path.open("a") as out:
+            out.write("\n# added by `codeenv image syscalls`\n" + "".join(f"{n}\n" for n in missing))
+        err.print(f"added {len(missing)} to {path}")
 
 
 def main() -> None:

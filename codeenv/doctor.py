@@ -257,6 +257,19 @@ def check_bpf(report: Report) -> None:
         report.add("unprivileged bpf", Level.ok, f"disabled ({value})" if value else "not available")
 
 
+def check_core_pattern(report: Report) -> None:
+    """A crash in a jail must not start anything outside it. Jails' processes are non-dumpable, but
+    a program a call execs (`python3 -c`) is dumpable again, and the kernel pipes its core to a
+    `|helper` on the host whatever RLIMIT_CORE says."""
+    pattern = (_read(Path("/proc/sys/kernel/core_pattern")) or "").strip()
+    if pattern.startswith("|"):
+        report.add("core dumps", Level.warn, f"kernel.core_pattern pipes core dumps to a host program "
+                                             f"({pattern[:80]}): a crash in a jail starts it; set "
+                                             "kernel.core_pattern=core (or a path)")
+    else:
+        report.add("core dumps", Level.ok, f"written as files ({pattern or 'core'}), never piped to a host program")
+
+
 def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | None:
     """The host uids a pool would run its slots as (claimed and released again), or None."""
     if settings.uid_base is not None:
@@ -347,6 +360,7 @@ def run_checks(settings: SandboxSettings) -> Report:
     uid = check_uids(report, settings, settings.slots)
     check_nsjail(report, settings, image, uid)  # the pool's start check: one jail
     check_bpf(report)
+    check_core_pattern(report)
     return report
 
 

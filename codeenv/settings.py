@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -75,6 +75,10 @@ class SandboxSettings(BaseSettings):
                     "the worker's memory (default: estimated from the image's preloads)",
     )
     prefork: bool = Field(True, description="keep a prepared child forked ahead of each call")
+    seccomp: Literal["allowlist", "audit", "legacy"] = Field(
+        "allowlist", description="the jails' seccomp policy: the image's allowlist; audit: log what is outside it "
+                                 "instead of refusing it; legacy: the denylist before it (for A/B measurements)",
+    )
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
     max_code_bytes: int = Field(1 << 20, gt=0)

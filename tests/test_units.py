@@ -151,8 +151,11 @@ def test_verdicts() -> None:
     assert classify(_outcome(0, output_overflow=True), lim).status == "output_limit"
     assert classify(_outcome(9, exited={"timed_out": True}), lim).limit == "wall"
     assert classify(_outcome(24), lim).limit == "cpu"
+    # An uncaught MemoryError without an OOM event is the program's error; the report is advisory.
     r = classify(_outcome(1 << 8, report={"error": {"type": "MemoryError", "message": "", "line": 2}}), lim)
-    assert r.status == "memory" and r.error is not None and r.error.line == 2
+    assert r.status == "error" and r.limit is None and r.error is not None and r.error.line == 2
+    r = classify(_outcome(0, report={"error": {"type": "MemoryError", "message": "", "line": 2}}), lim)
+    assert r.status == "ok"
     r = classify(_outcome(125 << 8, setup_error="boom"), lim)
     assert r.status == "internal_error" and "boom" in (r.message or "")
     # A program that writes "setup_error" into its own report only forges its error field.

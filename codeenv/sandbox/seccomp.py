@@ -1,0 +1,161 @@
+"""The jails' seccomp policy: an allowlist per image; calls that reach host-wide state kill the call.
+
+Three parts, in the order a call's system call meets them (the first rule that matches decides):
+
+1. **Killed** (`KILLED`, `KILLED_WHEN`): calls that reach pools or state of the whole host that no
+   cgroup limits, or that would undo the jail: legacy AIO contexts, the kernel log, keyrings, SysV
+   IPC, io_uring, userfaultfd, bpf, perf events, mounts, new namespaces (unshare, setns, clone
+   with a namespace flag), modify_ldt, personality other than the default, making a process
+   dumpable again. The call ends with SIGSYS.
+2. **Refused** (`REFUSED_WHEN`): allowed calls with arguments that would reach another process or
+   the host: a socket family other than AF_UNIX, AF_INET and AF_INET6 (EAFNOSUPPORT, before the
+   kernel loads or parses that family), limits, priorities or CPU affinity of another process,
+   inode flags (`chattr`) of the work dir (EPERM).
+3. **Allowed**: the image's list (``sandbox_images/NAME/syscalls.txt``; images without one use
+   python-math's). Anything else answers ENOSYS, the errno on which glibc falls back (clone3 to
+   clone, faccessat2 to faccessat, close_range to a loop).
+
+Calls through another ABI never get this far: the zygote installs a second filter (`abi_filter`,
+raw BPF) that kills any call made with the x32 bit set in its number or through the 32-bit entry,
+so that no number can bypass a rule by its x32 alias. Both filters apply (the stricter wins).
+
+``CODEENV_SECCOMP=audit`` logs (SECCOMP_RET_LOG) instead of ENOSYS, so that the kernel log names
+what an image's programs need (``codeenv image syscalls``); ``legacy`` is the denylist that came
+before, for A/B measurements.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+from codeenv.errors import ImageError
+from codeenv.sandbox.image import search_dirs
+
+#: Killed whatever their arguments.
+KILLED = (
+    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    "syslog", "add_key", "request_key", "keyctl",
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",
+    "msgget", "msgsnd", "msgrcv", "msgctl",
+    "modify_ldt", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "bpf",
+    "perf_event_open", "mount", "umount", "pivot_root", "chroot", "fsopen", "fsmount", "fsconfig",
+    "fspick", "move_mount", "open_tree", "mount_setattr", "unshare", "setns",
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
+    "swapon", "swapoff", "acct", "quotactl",
+)
+#: 0x7e020000 = CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET; 0xffffffff asks
+#: personality() for the current one; PR_SET_DUMPABLE is 4.
+KILLED_WHEN = (
+    "clone(flags) { (flags & 0x7e020000) != 0 }",
+    "personality(persona) { persona != 0 && persona != 0xffffffff }",
+    "prctl(option, value) { option == 4 && value != 0 }",
+)
+#: EPERM (1) or EAFNOSUPPORT (97) for these arguments. ioctl: FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR.
+REFUSED_WHEN = {
+    97: ("socket(family) { family != 1 && family != 2 && family != 10 }",
+         "socketpair(family) { family != 1 }"),
+    1: ("prlimit64(pid) { pid != 0 }", "sched_setaffinity(pid) { pid != 0 }",
+        "sched_setscheduler(pid) { pid != 0 }", "sched_setparam(pid) { pid != 0 }",
+        "sched_setattr(pid) { pid != 0 }", "setpriority(which, who) { which != 0 || who != 0 }",
+        "ioprio_set(which, who) { which != 1 || who != 0 }",
+        "ioctl(fd, request) { request == 0x40086602 || request == 0x401c5820 }"),
+}
+
+#: The denylist before the allowlist (CODEENV_SECCOMP=legacy), kept for A/B measurements.
+LEGACY_POLICY = """
+POLICY codeenv {
+  ERRNO(1) {
+    ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, process_madvise, kcmp,
+    mount, umount, pivot_root, chroot, unshare, setns,
+    fsopen, fsmount, fsconfig, fspick, move_mount, open_tree, mount_setattr,
+    bpf, perf_event_open, userfaultfd,
+    keyctl, add_key, request_key,
+    kexec_load, kexec_file_load, init_module, finit_module, delete_module,
+    open_by_handle_at, reboot, swapon, swapoff,
+    settimeofday, clock_settime, clock_adjtime, adjtimex,
+    shmget, shmat, shmctl, shmdt, semget, semop, semtimedop, semctl,
+    msgget, msgsnd, msgrcv, msgctl,
+    mq_open, mq_unlink, mq_timedsend, mq_timedreceive, mq_notify, mq_getsetattr
+  },
+  ERRNO(38) { io_uring_setup, io_uring_enter, io_uring_register, clone3 },
+  ERRNO(1) { clone { (clone_flags & 0x7e020000) != 0 } },
+  ERRNO(1) {
+    prlimit64 { pid != 0 }, sched_setaffinity { pid != 0 }, sched_setscheduler { pid != 0 },
+    sched_setparam { pid != 0 }, sched_setattr { pid != 0 },
+    setpriority { which != 0 || who != 0 }, ioprio_set { which != 1 || who != 0 }
+  },
+  ERRNO(97) { socket { family == 16 || family == 17 || family == 40 } }
+}
+USE codeenv DEFAULT ALLOW
+"""
+
+MODES = ("allowlist", "audit", "legacy")
+ENOSYS = 38
+
+
+def syscalls_file(image_name: str) -> Path:
+    """The allowlist of image `image_name`: its own syscalls.txt, else python-math's."""
+    for directory in search_dirs():
+        candidate = directory / image_name / "syscalls.txt"
+        if candidate.is_file():
+            return candidate
+    return Path(__file__).resolve().parents[2] / "sandbox_images" / "python-math" / "syscalls.txt"
+
+
+def read_allowlist(path: Path) -> list[str]:
+    names = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        name = line.split("#", 1)[0].strip()
+        if not name:
+            continue
+        if not re.fullmatch(r"[a-z][a-z0-9_]*|SYSCALL\[\d+\]", name):
+            raise ImageError(f"{path}:{number}: {name!r} is not a system call name (or SYSCALL[number])")
+        names.append(name)
+    return sorted(set(names))
+
+
+def policy(mode: str, allowed: list[str]) -> str:
+    """The Kafel policy of a jail in `mode` with the image's `allowed` calls."""
+    if mode == "legacy":
+        return LEGACY_POLICY
+    if mode not in MODES:
+        raise ValueError(f"unknown seccomp mode {mode!r}; choose from {', '.join(MODES)}")
+    lines = ["POLICY codeenv_killed {", f"  KILL_PROCESS {{ {', '.join(KILLED)} }},",
+             f"  KILL_PROCESS {{ {', '.join(KILLED_WHEN)} }}", "}", "POLICY codeenv_refused {"]
+    lines.append(",\n".join(f"  ERRNO({errno}) {{ {', '.join(rules)} }}" for errno, rules in REFUSED_WHEN.items()))
+    lines += ["}", "POLICY codeenv_allowed {", f"  ALLOW {{ {', '.join(allowed)} }}", "}"]
+    default = "LOG" if mode == "audit" else f"ERRNO({ENOSYS})"
+    lines.append(f"USE codeenv_killed, USE codeenv_refused, USE codeenv_allowed DEFAULT {default}")
+    return "\n".join(lines) + "\n"
+
+
+# --- the ABI filter, installed by the zygote -------------------------------------------------------
+
+AUDIT_ARCH_X86_64 = 0xC000003E
+AUDIT_ARCH_AARCH64 = 0xC00000B7
+X32_SYSCALL_BIT = 0x40000000
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+
+
+def abi_filter(arch: int) -> bytes:
+    """A classic BPF program (struct sock_filter[]) that kills a call made through any ABI but the
+    native one of `arch`: another audit arch (the 32-bit entry), or on x86_64 the x32 bit."""
+
+    def insn(code: int, jt: int, jf: int, k: int) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    ld_w_abs, jeq_k, jset_k, ret_k = 0x20, 0x15, 0x45, 0x06
+    program = [
+        insn(ld_w_abs, 0, 0, 4),                     # A = seccomp_data.arch
+        insn(jeq_k, 1, 0, arch),                     # native? skip the kill
+        insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS),
+        insn(ld_w_abs, 0, 0, 0),                     # A = seccomp_data.nr
+    ]
+    if arch == AUDIT_ARCH_X86_64:
+        program += [insn(jset_k, 0, 1, X32_SYSCALL_BIT), insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS)]
+    program.append(insn(ret_k, 0, 0, SECCOMP_RET_ALLOW))
+    return b"".join(program)

@@ -1,0 +1,174 @@
+"""The jail's hardening (issue: nothing a call does reaches the host's shared pools, its zygote, its
+verdict or the next call): the seccomp allowlist, the ABI filter, socket families."""
+
+from __future__ import annotations
+
+import pytest
+
+from codeenv.sandbox import seccomp
+from codeenv.sandbox.syscall_audit import PROBES, logged_calls
+from tests.conftest import Runner
+
+SIGSYS = 31
+
+CALL = """
+import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+try:
+    rc = {call}
+    print('rc', rc, ctypes.get_errno())
+except OSError as e:
+    print('rc', -1, e.errno)
+"""
+
+#: Calls that reach host-wide state or would undo the jail: the call ends with SIGSYS.
+KILLED = {
+    "io_setup (legacy AIO)": "libc.syscall(206, 1, ctypes.byref(ctypes.c_ulong(0)))",
+    "syslog": "libc.syscall(103, 10, 0, 0)",
+    "keyctl": "libc.syscall(250, 0, 0, 0, 0, 0)",
+    "add_key": "libc.syscall(248, b'user', b'k', b'v', 1, -2)",
+    "shmget": "libc.syscall(29, 0, 4096, 0o1600)",
+    "semget": "libc.syscall(64, 0, 1, 0o1600)",
+    "msgget": "libc.syscall(68, 0, 0o1600)",
+    "modify_ldt": "libc.syscall(154, 0, 0, 0)",
+    "io_uring_setup": "libc.syscall(425, 1, 0)",
+    "userfaultfd": "libc.syscall(323, 0)",
+    "bpf": "libc.syscall(321, 0, 0, 0)",
+    "perf_event_open": "libc.syscall(298, 0, 0, -1, -1, 0)",
+    "mount": "libc.syscall(165, b'none', b'/work', b'tmpfs', 0, 0)",
+    "unshare(CLONE_NEWNS)": "libc.syscall(272, 0x20000)",
+    "setns": "libc.syscall(308, 0, 0)",
+    "clone with CLONE_NEWNET": "libc.syscall(56, 0x40000000 | 17, 0, 0, 0, 0)",
+    "personality(READ_IMPLIES_EXEC)": "libc.syscall(135, 0x0400000)",
+    "prctl(PR_SET_DUMPABLE, 1)": "libc.syscall(157, 4, 1, 0, 0, 0)",
+    "ptrace": "libc.syscall(101, 16, 1, 0, 0)",
+    "process_vm_readv": "libc.syscall(310, 1, 0, 0, 0, 0, 0)",
+    "process_vm_writev": "libc.syscall(311, 1, 0, 0, 0, 0, 0)",
+    "pidfd_getfd": "libc.syscall(438, 0, 0, 0)",
+    "umount2": "libc.syscall(166, b'/proc', 0)",
+    "pivot_root": "libc.syscall(155, b'/work', b'/work')",
+    "unshare(CLONE_NEWUSER)": "libc.syscall(272, 0x10000000)",
+    "clone with CLONE_NEWPID": "libc.syscall(56, 0x20000000 | 17, 0, 0, 0, 0)",
+    "request_key": "libc.syscall(249, b'user', b'k', 0, 0)",
+    "semop": "libc.syscall(65, 0, 0, 0)",
+    "io_submit": "libc.syscall(209, 0, 0, 0)",
+    "kexec_load": "libc.syscall(246, 0, 0, 0, 0)",
+    "init_module": "libc.syscall(175, 0, 0, b'')",
+    "finit_module": "libc.syscall(313, 0, b'', 0)",
+    "reboot": "libc.syscall(169, 0, 0, 0, 0)",
+    "swapon": "libc.syscall(167, b'swapfile', 0)",
+    "getpid through the x32 ABI": "libc.syscall(39 | 0x40000000)",
+    "socket through the x32 ABI": "libc.syscall(41 | 0x40000000, 2, 1, 0)",
+}
+
+#: Outside the allowlist (ENOSYS: glibc falls back where it can), or refused for their arguments.
+REFUSED = {
+    "setxattr": ("libc.syscall(188, b'/work', b'user.x', b'1', 1, 0)", 38),
+    "clone3": ("libc.syscall(435, 0, 0)", 38),
+    "mq_open": ("libc.syscall(240, b'q', 0o100, 0o600, 0)", 38),
+    "sync": ("libc.syscall(162)", 38),
+    "open_by_handle_at": ("libc.syscall(304, 0, 0, 0)", 38),
+    "settimeofday": ("libc.syscall(164, 0, 0)", 38),
+    "clock_settime": ("libc.syscall(227, 0, 0)", 38),
+    "removexattr": ("libc.syscall(197, b'/work', b'user.x')", 38),
+    "fanotify_init": ("libc.syscall(300, 0, 0)", 38),
+    "process_madvise": ("libc.syscall(440, 0, 0, 0, 0, 0)", 38),
+    "AF_NETLINK": ("socket.socket(16, socket.SOCK_RAW, 0)", 97),
+    "AF_PACKET": ("socket.socket(17, socket.SOCK_RAW, 0)", 97),
+    "AF_VSOCK": ("socket.socket(40, socket.SOCK_STREAM, 0)", 97),
+    "AF_ALG": ("socket.socket(38, socket.SOCK_SEQPACKET, 0)", 97),
+    "AF_KEY": ("socket.socket(15, socket.SOCK_RAW, 2)", 97),
+    "AF_BLUETOOTH": ("socket.socket(31, socket.SOCK_STREAM, 0)", 97),
+    "prlimit64 of another process": ("libc.syscall(302, 1, 7, 0, 0)", 1),
+    "chattr (FS_IOC_SETFLAGS)": ("libc.syscall(16, open('f', 'w').fileno(), 0x40086602, "
+                                 "ctypes.byref(ctypes.c_long(0x10)))", 1),
+}
+
+
+@pytest.mark.jail
+@pytest.mark.parametrize("name", sorted(KILLED))
+async def test_calls_that_reach_the_host_end_the_call(run: Runner, name: str) -> None:
+    r = await run(CALL.format(call=KILLED[name]))
+    assert r.status == "killed" and r.signal == SIGSYS and "rc" not in r.stdout, r
+
+
+@pytest.mark.jail
+async def test_the_32_bit_entry_ends_the_call(run: Runner) -> None:
+    # getpid through `int 0x80` (the i386 ABI), from machine code in an executable page.
+    code = (
+        "import ctypes, mmap\n"
+        "page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+        "page.write(bytes.fromhex('b814000000cd80c3'))  # mov eax, 20; int 0x80; ret\n"
+        "address = ctypes.addressof(ctypes.c_char.from_buffer(page))\n"
+        "print('rc', ctypes.CFUNCTYPE(ctypes.c_int)(address)())\n"
+    )
+    r = await run(code)
+    # SIGSYS from the ABI filter; a kernel without 32-bit emulation faults (SIGSEGV) before it.
+    assert r.status == "killed" and r.signal in (SIGSYS, 11) and "rc" not in r.stdout, r
+
+
+@pytest.mark.jail
+@pytest.mark.parametrize("name", sorted(REFUSED))
+async def test_calls_outside_the_allowlist_are_refused(run: Runner, name: str) -> None:
+    call, expected = REFUSED[name]
+    r = await run(CALL.format(call=call))
+    assert r.status == "ok", r
+    _, rc, errno = r.stdout.split()
+    assert (int(rc), int(errno)) == (-1, expected), r.stdout
+
+
+@pytest.mark.jail
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PROBES))
+async def test_what_calls_use_still_works(run: Runner, name: str) -> None:
+    r = await run(PROBES[name], wall_s=60, cpu_s=60)
+    assert r.status == "ok", (r.stderr[-2000:], r.message)
+
+
+@pytest.mark.unit
+def test_the_policy_is_data_and_compiles_in_every_mode() -> None:
+    allowed = seccomp.read_allowlist(seccomp.syscalls_file("python-math"))
+    assert "read" in allowed and "clone3" not in allowed and not set(allowed) & set(seccomp.KILLED)
+    text = seccomp.policy("allowlist", allowed)
+    assert text.rstrip().endswith("DEFAULT ERRNO(38)")
+    assert seccomp.policy("audit", allowed).rstrip().endswith("DEFAULT LOG")
+    assert seccomp.syscalls_file("an-image-without-its-own") == seccomp.syscalls_file("python-math")
+
+
+@pytest.mark.unit
+def test_audit_records_are_read_for_the_pools_uids() -> None:
+    records = [
+        '5,1,2,-;audit: type=1326 audit(1.2:3): auid=4294967295 uid=1500000001 gid=1500000001 ses=4294967295 '
+        'subj=unconfined pid=9 comm="python3" exe="/usr/local/bin/python3.12" sig=0 arch=c000003e syscall=188 '
+        'compat=0 ip=0x7f code=0x7ffc0000',
+        '5,2,3,-;audit: type=1326 audit(1.2:4): auid=4294967295 uid=1000 gid=1000 ses=1 pid=10 comm="x" '
+        'exe="/x" sig=0 arch=c000003e syscall=1 compat=0 ip=0x1 code=0x7ffc0000',
+    ]
+    assert logged_calls(records, range(1_500_000_000, 1_500_000_002)) == {188: 1}
+
+
+# --- the verdict comes from the kernel and the worker, never from what the program can write -------
+
+FORGED_REPORT = """
+import sys
+frame = sys._getframe()
+while frame is not None and "report" not in frame.f_locals:  # up to the zygote's child set-up
+    frame = frame.f_back
+frame.f_globals["_write_report"](frame.f_locals["report"], {"error": {"type": "MemoryError", "message": "forged",
+                                                                      "line": 1}})
+print("exits 0")
+"""
+
+
+@pytest.mark.jail
+async def test_a_forged_report_changes_no_verdict(run: Runner) -> None:
+    r = await run(FORGED_REPORT)
+    assert (r.status, r.exit_code, r.limit, r.stdout) == ("ok", 0, None, "exits 0\n"), r
+
+
+@pytest.mark.jail
+async def test_a_memory_error_without_an_oom_event_is_an_error(run: Runner) -> None:
+    r = await run("x = [0] * (1 << 62)")  # refused by the allocator at once: the kernel never runs out
+    assert (r.status, r.limit) == ("error", None), r
+    assert r.error is not None and r.error.type == "MemoryError"
