@@ -42,7 +42,15 @@ from codeenv.sandbox.cgroups import (
 from codeenv.sandbox.image import Image, ImageSpec, current_image, find_spec, spec_digest
 from codeenv.sandbox.pool import _check_traversable, nsjail_binary
 from codeenv.sandbox.probe import missing_library, package_for, probe_jail
-from codeenv.sandbox.sizing import SlotPlan, cgroup_memory_limit, host_memory_mb, memory_allowance, plan_slots
+from codeenv.sandbox.sizing import (
+    SlotPlan,
+    cgroup_memory_limit,
+    host_memory_mb,
+    memory_allowance,
+    plan_slots,
+    socket_memory_limit,
+    tcp_pressure_bytes,
+)
 from codeenv.sandbox.uids import BLOCK, check_uids_free, claim_block
 from codeenv.settings import SandboxSettings
 
@@ -233,6 +241,30 @@ def check_swap(report: Report, layout: CgroupLayout | None) -> None:
                                        "can swap past its memory limit (turn swap off, or boot with swapaccount=1)")
 
 
+def check_socket_memory(report: Report, settings: SandboxSettings, layout: CgroupLayout | None) -> None:
+    """Socket buffers a call queues must count against a limit, and all slots' limits together
+    must stay below the host's TCP pressure threshold (Redis and the gateway share it)."""
+    if layout is None:
+        return
+    if layout.version == 2:
+        report.add("socket memory", Level.ok, "charged to each jail's memory limit (cgroup v2)")
+        return
+    if not (layout.own_dir("memory") / "memory.kmem.tcp.limit_in_bytes").exists():
+        report.add("socket memory", Level.warn, "this kernel cannot account socket buffers on cgroup v1 (no "
+                                                "memory.kmem.tcp): a call can queue them outside its memory limit")
+        return
+    per_jail = socket_memory_limit(settings)
+    pressure = tcp_pressure_bytes()
+    total = per_jail * settings.slots
+    detail = f"{settings.slots} slots × {per_jail >> 20} MB of socket buffers = {total >> 20} MB"
+    if pressure is not None and total >= pressure:
+        report.add("socket memory", Level.warn, f"{detail}, not below the host's TCP pressure threshold "
+                                                f"({pressure >> 20} MB): lower CODEENV_SOCKET_MEMORY_MB")
+    else:
+        below = f", below the host's TCP pressure threshold ({pressure >> 20} MB)" if pressure else ""
+        report.add("socket memory", Level.ok, f"{detail}{below}")
+
+
 def check_seccomp(report: Report) -> None:
     status = _read(Path("/proc/self/status")) or ""
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -357,6 +389,7 @@ def run_checks(settings: SandboxSettings) -> Report:
     spec, image = check_image(report, settings)
     check_memory(report, settings, layout, spec)
     check_swap(report, layout)
+    check_socket_memory(report, settings, layout)
     uid = check_uids(report, settings, settings.slots)
     check_nsjail(report, settings, image, uid)  # the pool's start check: one jail
     check_bpf(report)

@@ -80,6 +80,10 @@ class SandboxSettings(BaseSettings):
                                  "instead of refusing it; legacy: the denylist before it (for A/B measurements)",
     )
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
+    socket_memory_mb: int = Field(
+        64, gt=0, description="socket buffers one call may queue (cgroup v1 charges them to nothing otherwise); "
+                              "lowered to fit all slots below half the host's TCP pressure threshold",
+    )
     workdir_inodes: int = Field(200_000, ge=1000, description="files the work dir may hold")
     max_code_bytes: int = Field(1 << 20, gt=0)
     max_stdin_bytes: int = Field(16 << 20, ge=0)

@@ -1,13 +1,19 @@
 """The jail's hardening (issue: nothing a call does reaches the host's shared pools, its zygote, its
-verdict or the next call): the seccomp allowlist, the ABI filter, socket families."""
+verdict or the next call): the seccomp allowlist, the ABI filter, socket families, the verdict,
+OOM scores, socket buffers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox import seccomp
+from codeenv.sandbox.cgroups import CgroupLayout
+from codeenv.sandbox.sizing import socket_memory_limit
 from codeenv.sandbox.syscall_audit import PROBES, logged_calls
-from tests.conftest import Runner
+from tests.conftest import Runner, until
 
 SIGSYS = 31
 
@@ -172,3 +178,134 @@ async def test_a_memory_error_without_an_oom_event_is_an_error(run: Runner) -> N
     r = await run("x = [0] * (1 << 62)")  # refused by the allocator at once: the kernel never runs out
     assert (r.status, r.limit) == ("error", None), r
     assert r.error is not None and r.error.type == "MemoryError"
+
+
+# --- the OOM killer never prefers the zygote -------------------------------------------------------
+
+
+@pytest.mark.jail
+async def test_a_calls_processes_have_the_highest_oom_score_and_cannot_lower_it(run: Runner) -> None:
+    code = (
+        "import subprocess, sys\n"
+        "print(open('/proc/self/oom_score_adj').read().strip())\n"
+        "print(subprocess.run([sys.executable, '-c', 'print(open(\\'/proc/self/oom_score_adj\\').read().strip())'],\n"
+        "                     capture_output=True, text=True).stdout.strip())\n"
+        "try:\n"
+        "    open('/proc/self/oom_score_adj', 'w').write('-1000')\n"
+        "    print('lowered')\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+    )
+    r = await run(code)
+    lines = r.stdout.split()
+    assert r.status == "ok" and lines[:2] == ["1000", "1000"] and lines[2] == "refused", r
+
+
+@pytest.mark.jail
+@pytest.mark.slow
+@pytest.mark.parametrize("prefork", [True, False])
+async def test_interpreters_over_the_limit_lose_to_the_oom_killer_not_the_zygote(prefork: bool) -> None:
+    settings = SandboxSettings(slots=1, prefork=prefork)
+    async with SlotPool(settings) as pool:
+        zygote = pool.slots[0].zygotes["scientific"]  # the largest zygote: the OOM killer's favourite
+        before = zygote.zygote_pid
+        # The call becomes a fresh small interpreter (exec) that starts 30 more: the zygote, with
+        # numpy and scipy loaded, is then by far the largest process of the cgroup.
+        spawn = ("import subprocess, sys\n"
+                 "procs = [subprocess.Popen([sys.executable, '-c', 'x = bytearray(8 << 20); import time; "
+                 "time.sleep(3)']) for _ in range(30)]\n"
+                 "print(sorted(p.wait() for p in procs))\n")
+        code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {spawn!r}])\n"
+        r = await pool.run(ExecRequest(code=code, profile="scientific", limits={"memory_mb": 128, "wall_s": 30,
+                                                                            "processes": 64}))
+        assert r.status == "memory", r
+        assert Path(f"/proc/{before}").exists() and not zygote.dead  # noqa: ASYNC240 (procfs)
+        assert (await pool.run(ExecRequest(code="print('next')", profile="scientific"))).stdout == "next\n"
+        assert zygote.zygote_pid == before and pool.restarts == 0
+
+
+# --- kernel memory a call uses counts against a limit ----------------------------------------------
+
+SOCKET_FLOOD = """
+import socket
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(256)
+queued, conns, chunk = 0, [], b"x" * 65536
+for _ in range(100):  # each connection: a send buffer and the peer's receive buffer, never read
+    c = socket.create_connection(srv.getsockname()); s, _ = srv.accept()
+    c.setblocking(False); conns += [c, s]
+    while queued < (512 << 20):
+        try:
+            queued += c.send(chunk)
+        except OSError:
+            break
+    if queued >= (512 << 20):
+        break
+print(queued >> 20)
+"""
+
+
+@pytest.mark.jail
+async def test_socket_buffers_a_call_queues_are_capped(run: Runner, pool: SlotPool) -> None:
+    layout = CgroupLayout.detect(pool.settings.cgroup_root)
+    r = await run(SOCKET_FLOOD, wall_s=30)
+    assert r.status == "ok", r
+    cap_mb = socket_memory_limit(pool.settings) >> 20
+    # v1: the jail's TCP limit; v2: the memory limit (socket buffers are charged to memory.current).
+    limit_mb = cap_mb if layout.version == 1 else pool.settings.defaults.memory_mb
+    assert int(r.stdout) <= limit_mb + 16, (r.stdout, limit_mb)
+
+
+@pytest.mark.unit
+def test_all_slots_socket_buffers_stay_below_half_the_hosts_tcp_pressure(tmp_path: Path) -> None:
+    tcp_mem = tmp_path / "tcp_mem"
+    tcp_mem.write_text("1000 25600 40000\n")  # pressure at 25,600 pages: 100 MiB
+    settings = SandboxSettings(slots=4, socket_memory_mb=64)
+    assert socket_memory_limit(settings, tcp_mem) * 4 <= 50 << 20
+    assert socket_memory_limit(SandboxSettings(slots=1, socket_memory_mb=8), tcp_mem) == 8 << 20
+    assert socket_memory_limit(settings, tmp_path / "missing") == 64 << 20
+
+
+# --- nothing of a call survives into the next call in the same slot -------------------------------
+
+
+@pytest.mark.jail
+async def test_work_dir_timestamps_a_call_sets_do_not_survive(run: Runner, pool: SlotPool) -> None:
+    before = pool.restarts
+    r = await run("import os\nos.utime('/work', (1, 1))\nprint(os.stat('/work').st_mtime)", slot=0)
+    assert r.stdout == "1.0\n", r
+    r = await run("import os\nst = os.stat('/work')\nprint(st.st_mtime != 1, st.st_atime != 1)", slot=0)
+    assert r.stdout == "True True\n", r
+    assert pool.restarts == before  # reset by the zygote, checked from outside: no recycle needed
+
+
+NETWORK_TRACES = """
+import socket
+print(open('/proc/net/snmp').read().split('Tcp:')[2].split()[4:6])  # ActiveOpens, PassiveOpens
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+srv.bind(("127.0.0.1", 40000)); srv.listen()
+c = socket.create_connection(("127.0.0.1", 40000)); s, _ = srv.accept()
+c.close(); s.close(); srv.close()  # the connection closed first by the client: TIME_WAIT on its side
+print(open('/proc/net/sockstat').read().split('tw ')[1].split()[0])
+"""
+
+
+@pytest.mark.jail
+async def test_a_call_that_used_the_network_leaves_the_next_a_fresh_namespace(run: Runner, pool: SlotPool) -> None:
+    start = pool.restarts
+    first = await run(NETWORK_TRACES, slot=1)
+    assert first.status == "ok" and first.stdout.splitlines()[0] == "['0', '0']", first
+    second = await run(NETWORK_TRACES, slot=1)  # the same port binds again; no counter of the first call
+    assert second.status == "ok" and second.stdout == first.stdout, (first, second)
+    await until(lambda: pool.restarts == start + 2, "both jails recycled after their calls")
+    await run("print(sum(range(10)))", slot=1)
+    await run("print(sum(range(10)))", slot=1)
+    assert pool.restarts == start + 2  # calls without sockets keep their jail
+
+
+@pytest.mark.jail
+async def test_the_zygote_catches_no_signal(pool: SlotPool) -> None:
+    for slot in pool.slots:
+        for zygote in slot.zygotes.values():
+            status = Path(f"/proc/{zygote.zygote_pid}/status").read_text()  # noqa: ASYNC240 (procfs)
+            caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+            assert int(caught, 16) == 0, (zygote.name, caught)

@@ -281,6 +281,7 @@ class JailCgroup(Protocol):
     def kill_all(self) -> bool: ...
     def set_memory_limit(self, limit_bytes: int) -> None: ...
     def set_pids_max(self, count: int) -> None: ...
+    def set_socket_memory_limit(self, limit_bytes: int) -> bool: ...
     def memory_usage(self) -> int: ...
     def reset_peak(self) -> None: ...
     def memory_peak(self) -> int | None: ...
@@ -366,6 +367,15 @@ class V1Cgroup:
     def set_pids_max(self, count: int) -> None:
         self._files.write(self.pids, "pids.max", str(count))
 
+    def set_socket_memory_limit(self, limit_bytes: int) -> bool:
+        """v1 charges socket buffers to nothing until the group's TCP limit is set: set it (before the
+        jail's first socket). False where the kernel has no `memory.kmem.tcp` files."""
+        try:
+            self._files.write(self.memory, "memory.kmem.tcp.limit_in_bytes", str(limit_bytes))
+        except FileNotFoundError:
+            return False
+        return True
+
     def memory_usage(self) -> int:
         return _parse_int(self._files.read(self.memory, "memory.usage_in_bytes"))
 
@@ -438,6 +448,10 @@ class V2Cgroup:
             self._files.write(self.path, "memory.swap.max", "0")
         except OSError:
             pass
+
+    def set_socket_memory_limit(self, limit_bytes: int) -> bool:
+        """v2 charges socket buffers to memory.current: the memory limit covers them already."""
+        return True
 
     def set_pids_max(self, count: int) -> None:
         self._files.write(self.path, "pids.max", str(count))

@@ -190,3 +190,28 @@ def preflight(settings: SandboxSettings, spec: ImageSpec) -> SlotPlan:
     if plan.slots == 0:
         raise SandboxError(plan.describe())
     return plan
+
+
+# --- socket buffers (kernel memory no memory limit counts on cgroup v1) ----------------------------
+
+TCP_MEM = Path("/proc/sys/net/ipv4/tcp_mem")
+PAGE = 4096
+
+
+def tcp_pressure_bytes(tcp_mem: Path = TCP_MEM) -> int | None:
+    """The host's TCP memory pressure threshold (tcp_mem's middle value), or None if unknown."""
+    try:
+        return int(tcp_mem.read_text().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def socket_memory_limit(settings: SandboxSettings, tcp_mem: Path = TCP_MEM) -> int:
+    """The socket buffer cap of one jail: `socket_memory_mb`, lowered so that all slots together
+    stay below half the host's TCP pressure threshold (the other half is the host's: Redis, the
+    gateway). Set on cgroup v1, where socket buffers are otherwise charged to nothing."""
+    cap = settings.socket_memory_mb << 20
+    pressure = tcp_pressure_bytes(tcp_mem)
+    if pressure is not None:
+        cap = min(cap, pressure // 2 // settings.slots)
+    return max(cap, 1 << 20)

@@ -25,6 +25,8 @@ Protocol (JSON messages; fds travel as SCM_RIGHTS with "run"):
                                                                 after the call, before the wipe)
     (no message)      a byte set in the setup memfd             written before the fork: from here
                                                                 on the call counts as started
+    zygote -> worker  {"op": "forked", "seq"}                   no spare child: a fresh one waits until
+    worker -> zygote  {"op": "go", "seq"}                       the worker has raised its OOM score
     worker -> zygote  {"op": "kill", "seq"}                     stop the call now (output cap, cancel)
     zygote -> worker  {"op": "exited", "seq", status...}        every process of the call is gone
     zygote -> worker  {"op": "ready", "seq", "clean"}           traces wiped; ready for the next call
@@ -54,6 +56,8 @@ CTL_FD = 3
 MAX_MSG = 65536
 #: Size of a call's report and setup memfds. The setup memfd's last byte is the "started" mark.
 REPORT_BYTES = 64 << 10
+#: How long a freshly forked child waits for the worker's "go" (its OOM score raised).
+GO_TIMEOUT_S = 10
 
 
 class CallFd:
@@ -648,6 +652,17 @@ def _in_child(name, work, timeout_s):
     return os.waitstatus_to_exitcode(status) == 0
 
 
+_workdir_times = None
+
+
+def _reset_workdir_times():
+    """The work dir's own timestamps as at start: a call may set them (utime), and the wipe moves them."""
+    try:
+        os.utime(_config["workdir"], ns=_workdir_times)
+    except (OSError, TypeError):
+        pass
+
+
 def _clean(baseline, timeout_s):
     """Make the work dir as it was at start; True if it is."""
     if _untouched(baseline):
@@ -695,6 +710,30 @@ def _take_spare():
     return spare
 
 
+def _await_go(ctl, seq):
+    """A freshly forked child waits while the worker raises its OOM score from outside (a child
+    cannot, and may not lower it): say "forked", wait for "go"."""
+    _send(ctl, {"op": "forked", "seq": seq})
+    deadline = time.monotonic() + GO_TIMEOUT_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not select.select([ctl], [], [], remaining)[0]:
+            break
+        try:
+            data = ctl.recv(MAX_MSG)
+        except OSError:
+            data = b""
+        if not data:  # the worker is gone
+            os._exit(0)
+        msg = json.loads(data)
+        if msg.get("op") == "go" and msg.get("seq") == seq:
+            return True
+        if msg.get("op") == "ping":
+            _send(ctl, {"op": "pong"})
+        elif msg.get("op") == "kill":
+            return False
+    return False
+
+
 def _run(ctl, data, msg, fds, baseline):
     seq = msg["seq"]
     if len(fds) not in CallFd.COUNTS:
@@ -720,13 +759,22 @@ def _run(ctl, data, msg, fds, baseline):
             spare = None
         sock.close()
     if spare is None:
+        go_r, go_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
+                os.close(go_w)
+                if os.read(go_r, 1) != b"g":  # not before the worker has raised its OOM score
+                    _hard_exit(SETUP_FAILED)
+                os.close(go_r)
                 _child(fds, msg)
             finally:
                 _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
+        os.close(go_r)
         pidfd = os.pidfd_open(pid)
+        if _await_go(ctl, seq):
+            os.write(go_w, b"g")
+        os.close(go_w)  # without "go" the child reads EOF and exits before any of the call runs
     fetch = fds[CallFd.FETCH_LIST:]  # the fetch list and fetch-out memfds stay for the collector
     for fd in fds[:CallFd.FETCH_LIST]:
         os.close(fd)
@@ -774,6 +822,7 @@ def _run(ctl, data, msg, fds, baseline):
         "op": "exited", "seq": seq, "wait_status": status, "wall_s": wall, "cpu_s": cpu,
         "maxrss_kb": usage.ru_maxrss, "timed_out": timed_out, "killed": killed,
     }
+    _reset_workdir_times()
     # The spare (if any) is forked before "ready", which says so: the worker then knows exactly
     # how many processes the jail must hold.
     if _untouched(baseline):  # the common case: one message says both "exited" and "ready"
@@ -784,6 +833,7 @@ def _run(ctl, data, msg, fds, baseline):
     else:
         _send(ctl, exited)
         clean = _clean(baseline, _config["cleanup_timeout_s"])
+        _reset_workdir_times()
         if clean and msg.get("spare"):
             _make_spare()
         _send(ctl, {"op": "ready", "seq": seq, "clean": clean, "spare": _spare_child is not None})
@@ -805,7 +855,11 @@ def main():
     gc.collect()
     huge = _compact_heap()
     gc.freeze()
+    _deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
     baseline = _workdir_usage()
+    global _workdir_times
+    st = os.stat(_config["workdir"])
+    _workdir_times = (st.st_atime_ns, st.st_mtime_ns)
     _make_spare()
     _send(ctl, {"op": "hello", "spare": _spare_child is not None,
                 "preload_s": time.monotonic() - t0, "preload_errors": errors,

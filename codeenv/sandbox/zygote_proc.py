@@ -28,6 +28,7 @@ from codeenv.models import LimitValues
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import WORKDIR, config_text, jail_config
+from codeenv.sandbox.sizing import socket_memory_limit
 from codeenv.sandbox.zygote import FETCH_DATA_AT, MAX_MSG, REPORT_BYTES, CallFd, frame, read_frame
 from codeenv.settings import SandboxSettings
 
@@ -129,6 +130,24 @@ def _started_mark(setup_fd: int) -> bool:
         return os.pread(setup_fd, 1, REPORT_BYTES - 1) == b"\x01"
     except OSError:
         return True  # cannot prove it never started
+
+
+#: Files of the jail's network and IPC namespaces, seen through its PID 1, compared after each call (not
+#: sockstat: its "used" and "mem" figures are the whole host's).
+NAMESPACE_FILES = ("net/snmp", "net/snmp6", "sysvipc/shm", "sysvipc/sem", "sysvipc/msg")
+
+
+def _signals_caught(pid: int) -> str:
+    """The signals process `pid` has handlers for (SigCgt in its status), as a hex mask, or ""."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    mask = line.split()[1]
+                    return "" if int(mask, 16) == 0 else mask
+    except (OSError, ValueError, IndexError):
+        pass
+    return ""
 
 
 def _pack_files(files: list[tuple[str, bytes]]) -> bytes:
@@ -311,6 +330,8 @@ class ZygoteProcess:
         self.baseline_pids = 0
         self.baseline_memory = 0
         self.baseline_workdir: tuple[int, int] = (0, 0)
+        self.baseline_times: tuple[int, int] | None = None
+        self.baseline_net: tuple[str, ...] = ()
         self.zygote_pid = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._memory_limit = -1
@@ -348,6 +369,9 @@ class ZygoteProcess:
         self.cgroup.set_memory_limit((self.settings.caps.memory_mb + 1024) << 20)
         self.cgroup.set_pids_max(64)
         self.cgroup.set_cpu_limit(self.settings.cpus_per_call)
+        # Before the jail's first socket (v1 accounts only sockets made after the limit is set).
+        if not self.cgroup.set_socket_memory_limit(socket_memory_limit(self.settings)):
+            logger.debug("%s: this kernel cannot cap socket buffers on cgroup v1", self.name)
         try:
             # A shell joins the jail's cgroup and execs nsjail, so the zygote and everything it
             # forks are counted there from the first instruction (no preexec_fn: this process has
@@ -402,6 +426,12 @@ class ZygoteProcess:
             self._workdir_fd = os.open(f"/proc/{self.zygote_pid}/root{WORKDIR}",
                                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.baseline_workdir = self._workdir_usage() or (0, 0)
+        self.baseline_times = self._workdir_times()
+        self.baseline_net = self._namespace_state()
+        caught = _signals_caught(self.zygote_pid)
+        if caught:
+            await self.stop()
+            raise SandboxError(f"zygote {self.name}: PID 1 of the jail catches signals ({caught}): it must keep none")
         logger.info("zygote %s ready: preload %.2fs, %d modules, pid %d",
                     self.name, hello.get("preload_s", 0), hello.get("modules", 0), self.zygote_pid)
 
@@ -479,6 +509,10 @@ class ZygoteProcess:
                 return msg
             if msg.get("op") == "pong":
                 continue
+            if msg.get("op") == "forked":  # a fresh child waits for this before the call runs
+                self._raise_oom_scores()
+                self._send({"op": "go", "seq": msg.get("seq")})
+                continue
             logger.debug("zygote %s: unexpected %s while waiting for %s", self.name, msg, op)
 
     def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -492,6 +526,20 @@ class ZygoteProcess:
                 self.ctl.send(data)
         except OSError as exc:
             raise ZygoteDied(f"zygote {self.name} control socket: {exc}", started=False) from exc
+
+    def _raise_oom_scores(self) -> None:
+        """Every process of the jail but nsjail and the zygote gets the highest OOM score, written
+        from outside: a call over its memory limit loses its own processes, never the zygote (the
+        largest process of the cgroup). Children inherit it, and none may lower it."""
+        keep = {self.zygote_pid, self.proc.pid if self.proc is not None else 0}
+        for pid in self.cgroup.procs():
+            if pid in keep:
+                continue
+            try:
+                with open(f"/proc/{pid}/oom_score_adj", "w") as adj:
+                    adj.write("1000")
+            except OSError:  # gone already
+                pass
 
     def _workdir_usage(self) -> tuple[int, int] | None:
         if self._workdir_fd is None:
@@ -550,6 +598,7 @@ class ZygoteProcess:
                 with contextlib.suppress(ZygoteDied):
                     self._send({"op": "kill", "seq": seq})
 
+        self._raise_oom_scores()  # the spare child that will run the call
         with _CallFiles(code, stdin, files, fetch, FETCH_DATA_AT + self.settings.max_fetch_bytes) as call:
             try:
                 self._send({"op": "run", "seq": seq, "wall_s": limits.wall_s,
@@ -660,4 +709,30 @@ class ZygoteProcess:
             with contextlib.suppress(OSError):
                 if os.listxattr(self._workdir_fd):
                     return "the work dir kept extended attributes"
+        if self._workdir_times() != self.baseline_times:
+            return "the work dir kept timestamps the call set"
+        if self._namespace_state() != self.baseline_net:
+            # Ports in TIME_WAIT, bound ports, /proc/net counters: a fresh network namespace.
+            return "the call used the network or IPC (a fresh jail, so the next call starts clean)"
         return None
+
+    def _workdir_times(self) -> tuple[int, int] | None:
+        if self._workdir_fd is None:
+            return None
+        try:
+            st = os.stat(self._workdir_fd)
+        except OSError:
+            return None
+        return st.st_atime_ns, st.st_mtime_ns
+
+    def _namespace_state(self) -> tuple[str, ...]:
+        """The jail's network counters and System V IPC objects, read from outside: any call that
+        made a socket moves the first, and the second must stay empty."""
+        texts = []
+        for name in NAMESPACE_FILES:
+            try:
+                with open(f"/proc/{self.zygote_pid}/{name}") as f:
+                    texts.append(f.read())
+            except OSError:
+                texts.append("")
+        return tuple(texts)
