@@ -132,9 +132,10 @@ def _started_mark(setup_fd: int) -> bool:
         return True  # cannot prove it never started
 
 
-#: Files of the jail's network and IPC namespaces, seen through its PID 1, compared after each call (not
-#: sockstat: its "used" and "mem" figures are the whole host's).
-NAMESPACE_FILES = ("net/snmp", "net/snmp6", "sysvipc/shm", "sysvipc/sem", "sysvipc/msg")
+#: The jail's network interfaces seen through its PID 1, compared after each call: the jail has only
+#: loopback, so any TCP or UDP traffic (and so any TIME_WAIT socket) moves lo's counters. One read.
+#: (System V IPC cannot be read from outside without entering the namespace; the policy kills it.)
+NETWORK_FILE = "net/dev"
 
 
 def _signals_caught(pid: int) -> str:
@@ -331,7 +332,7 @@ class ZygoteProcess:
         self.baseline_memory = 0
         self.baseline_workdir: tuple[int, int] = (0, 0)
         self.baseline_times: tuple[int, int] | None = None
-        self.baseline_net: tuple[str, ...] = ()
+        self.baseline_net = b""
         self.zygote_pid = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._memory_limit = -1
@@ -427,7 +428,7 @@ class ZygoteProcess:
                                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.baseline_workdir = self._workdir_usage() or (0, 0)
         self.baseline_times = self._workdir_times()
-        self.baseline_net = self._namespace_state()
+        self.baseline_net = self._network_state()
         caught = _signals_caught(self.zygote_pid)
         if caught:
             await self.stop()
@@ -531,15 +532,23 @@ class ZygoteProcess:
         """Every process of the jail but nsjail and the zygote gets the highest OOM score, written
         from outside: a call over its memory limit loses its own processes, never the zygote (the
         largest process of the cgroup). Children inherit it, and none may lower it."""
-        keep = {self.zygote_pid, self.proc.pid if self.proc is not None else 0}
-        for pid in self.cgroup.procs():
-            if pid in keep:
+        try:  # the zygote's children (the spare, or a fresh child): cheaper than the cgroup's list
+            with open(f"/proc/{self.zygote_pid}/task/{self.zygote_pid}/children") as f:
+                pids = [int(pid) for pid in f.read().split()]
+        except OSError:  # a kernel without CONFIG_PROC_CHILDREN
+            keep = {self.zygote_pid, self.proc.pid if self.proc is not None else 0}
+            pids = [pid for pid in self.cgroup.procs() if pid not in keep]
+        for pid in pids:
+            try:
+                fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
+            except OSError:  # gone already
                 continue
             try:
-                with open(f"/proc/{pid}/oom_score_adj", "w") as adj:
-                    adj.write("1000")
-            except OSError:  # gone already
+                os.write(fd, b"1000")
+            except OSError:
                 pass
+            finally:
+                os.close(fd)
 
     def _workdir_usage(self) -> tuple[int, int] | None:
         if self._workdir_fd is None:
@@ -711,9 +720,9 @@ class ZygoteProcess:
                     return "the work dir kept extended attributes"
         if self._workdir_times() != self.baseline_times:
             return "the work dir kept timestamps the call set"
-        if self._namespace_state() != self.baseline_net:
-            # Ports in TIME_WAIT, bound ports, /proc/net counters: a fresh network namespace.
-            return "the call used the network or IPC (a fresh jail, so the next call starts clean)"
+        if self._network_state() != self.baseline_net:
+            # Ports in TIME_WAIT, /proc/net counters: a fresh network namespace for the next call.
+            return "the call used the network (a fresh jail, so the next call starts clean)"
         return None
 
     def _workdir_times(self) -> tuple[int, int] | None:
@@ -725,14 +734,15 @@ class ZygoteProcess:
             return None
         return st.st_atime_ns, st.st_mtime_ns
 
-    def _namespace_state(self) -> tuple[str, ...]:
-        """The jail's network counters and System V IPC objects, read from outside: any call that
-        made a socket moves the first, and the second must stay empty."""
-        texts = []
-        for name in NAMESPACE_FILES:
-            try:
-                with open(f"/proc/{self.zygote_pid}/{name}") as f:
-                    texts.append(f.read())
-            except OSError:
-                texts.append("")
-        return tuple(texts)
+    def _network_state(self) -> bytes:
+        """The jail's interface counters, read from outside (see NETWORK_FILE)."""
+        try:
+            fd = os.open(f"/proc/{self.zygote_pid}/{NETWORK_FILE}", os.O_RDONLY)
+        except OSError:
+            return b""
+        try:
+            return os.read(fd, 1 << 16)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
