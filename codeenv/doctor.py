@@ -289,6 +289,38 @@ def check_bpf(report: Report) -> None:
         report.add("unprivileged bpf", Level.ok, f"disabled ({value})" if value else "not available")
 
 
+#: (check name, sysctl file, values that are fine, what fixes it, why it matters)
+SYSCTLS = (
+    ("kernel log", "kernel/dmesg_restrict", {"1"}, "sysctl -w kernel.dmesg_restrict=1",
+     "any user of the host may read the kernel log"),
+    ("userfaultfd", "vm/unprivileged_userfaultfd", {"0"}, "sysctl -w vm.unprivileged_userfaultfd=0",
+     "unprivileged userfaultfd is the usual tool to widen kernel race windows"),
+    ("io_uring", "kernel/io_uring_disabled", {"1", "2"}, "sysctl -w kernel.io_uring_disabled=2",
+     "io_uring has been the kernel's largest source of privilege escalations"),
+)
+
+
+def check_host_baseline(report: Report) -> None:
+    """The host settings the jail relies on for defence in depth (its seccomp policy refuses all of
+    these inside jails): each ok, or a warning with the command that fixes it."""
+    for name, path, fine, fix, why in SYSCTLS:
+        value = (_read(Path("/proc/sys") / path) or "").strip()
+        if not value:
+            report.add(name, Level.ok, f"not available on this kernel ({path.replace('/', '.')})")
+        elif value in fine:
+            report.add(name, Level.ok, f"restricted ({path.replace('/', '.')} = {value})")
+        else:
+            report.add(name, Level.warn, f"{why} ({path.replace('/', '.')} = {value}): {fix}")
+    # getpid through the x32 ABI: -1 (ENOSYS) where the kernel has x32 off.
+    error = _probe("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+                   "sys.exit(0 if libc.syscall(39 | 0x40000000) == -1 else 1)")
+    if error is None:
+        report.add("x32 syscalls", Level.ok, "disabled")
+    else:
+        report.add("x32 syscalls", Level.warn, "enabled: every jail kills them (its ABI filter), but the host is "
+                                               "more exposed; boot with syscall.x32=n")
+
+
 def check_core_pattern(report: Report) -> None:
     """A crash in a jail must not start anything outside it. Jails' processes are non-dumpable, but
     a program a call execs (`python3 -c`) is dumpable again, and the kernel pipes its core to a
@@ -394,6 +426,7 @@ def run_checks(settings: SandboxSettings) -> Report:
     check_nsjail(report, settings, image, uid)  # the pool's start check: one jail
     check_bpf(report)
     check_core_pattern(report)
+    check_host_baseline(report)
     return report
 
 

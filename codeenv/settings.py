@@ -155,6 +155,13 @@ class GatewaySettings(QueueSettings):
     port: int = Field(8000, ge=0, le=65535)
     token: str | None = Field(None, min_length=16, description="bearer token every endpoint requires")
     insecure: bool = Field(False, description="allow a non-loopback bind without a token")
+    allowed_hosts: list[str] = Field(
+        default_factory=list, description="with no token: Host names accepted besides the bound address and "
+                                          "localhost (a browser page rebound to this address sends its own)",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="web origins (scheme://host[:port]) whose pages may call the service",
+    )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")

@@ -151,8 +151,9 @@ class PoolSupervisor:
     (the gateways reconnect by themselves). After MAX_RESTARTS deaths within RESTART_WINDOW_S it
     gives up: `failure` says why, and `on_give_up` is called (serve then stops, and exits non-zero)."""
 
-    def __init__(self, cmd: list[str], on_give_up: Callable[[], None]) -> None:
+    def __init__(self, cmd: list[str], on_give_up: Callable[[], None], env: Mapping[str, str] | None = None) -> None:
         self.cmd = cmd
+        self.env = env
         self.on_give_up = on_give_up
         self.failure: str | None = None
         self.restarts = 0
@@ -167,7 +168,7 @@ class PoolSupervisor:
         self._watcher.start()
 
     def _spawn(self) -> None:
-        proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+        proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=self.env)
         self.proc = proc
         threading.Thread(target=self._forward, args=(proc,), name="codeenv-pool-stderr", daemon=True).start()
 
@@ -234,7 +235,7 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
     if settings.redis_url is not None:
         os.environ["CODEENV_LOCAL_WORKER"] = "false"  # the gateways; the worker runs once, below
         if settings.local_worker:
-            pool_cmd = ["worker", "--redis", settings.redis_url]
+            pool_cmd = ["worker"]  # the Redis URL (and its password) from CODEENV_REDIS_URL, never argv
     else:
         socket_path = settings.state_dir / "sockets" / f"pool-{settings.port}.sock"
         os.environ["CODEENV_POOL_SOCKET"] = str(socket_path)
@@ -244,8 +245,10 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
     try:
         if pool_cmd is not None:
             # On giving up, stop the gateways as a first SIGTERM would: serve then exits non-zero.
+            # The pool process gets what it needs and no more: not the gateways' token.
+            env = {k: v for k, v in os.environ.items() if k != "CODEENV_TOKEN"}
             supervisor = PoolSupervisor([sys.executable, "-m", "codeenv.cli", *pool_cmd, "--log-format", log_format],
-                                        on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM))
+                                        on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM), env=env)
             supervisor.start()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
         uvicorn.run("codeenv.topology:app_from_env", factory=True, workers=settings.processes, host=settings.host,

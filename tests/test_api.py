@@ -40,7 +40,7 @@ async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterato
     settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
     if request.param == "embedded":
         app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             yield c
         return
     redis_server: Service = request.getfixturevalue("redis_server")
@@ -51,7 +51,7 @@ async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterato
     await queue.start()
     try:
         app = create_app(settings, queue)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             yield c
     finally:
         await queue.close()
@@ -133,7 +133,7 @@ async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
 async def test_overload_is_an_explicit_answer(pool: SlotPool) -> None:
     settings = GatewaySettings(slots=2, max_queued=1)
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         r = await c.post("/v1/execute/batch", json={"requests": [{"code": "import time; time.sleep(0.2)"}] * 8})
         statuses = [x["status"] for x in r.json()["results"]]
         assert statuses.count("ok") == 3 and statuses.count("overloaded") == 5  # 2 slots + 1 queued
@@ -152,7 +152,7 @@ def test_non_loopback_bind_needs_a_token() -> None:
 async def test_token_is_checked_on_every_endpoint(pool: SlotPool) -> None:
     settings = GatewaySettings(slots=2, token="s3cret-token-0123456789")
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         for method, path in (("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/v1/execute")):
             assert (await c.request(method, path, json={"code": "1"})).status_code == 401
         ok = await c.post("/v1/execute", json={"code": "print(1)"},

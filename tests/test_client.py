@@ -77,7 +77,7 @@ async def test_five_thousand_concurrent_calls_become_few_requests(server: str) -
 @pytest.mark.jail
 async def test_overloaded_calls_are_retried_with_the_same_id(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=1)  # 2 slots + 1 waiting; the rest are answered overloaded
-    async with AsyncClient("http://codeenv", transport=transport, retries=30, backoff_s=0.05,
+    async with AsyncClient("http://localhost", transport=transport, retries=30, backoff_s=0.05,
                            max_backoff_s=0.3, seed=1, stream=False) as client:  # the ordered batch endpoint
         results = await asyncio.gather(*(client.run("import time; time.sleep(0.1); print('done')", id=f"r{i}")
                                          for i in range(8)))
@@ -112,7 +112,7 @@ async def test_the_stream_endpoint_speaks_ndjson(server: str) -> None:
 @pytest.mark.jail
 async def test_a_deadline_is_honoured(pool: SlotPool) -> None:
     transport = gateway(pool, max_queued=100)
-    async with AsyncClient("http://codeenv", transport=transport, retries=50, backoff_s=0.05) as client:
+    async with AsyncClient("http://localhost", transport=transport, retries=50, backoff_s=0.05) as client:
         busy = [asyncio.ensure_future(client.run("import time; time.sleep(1.5)")) for _ in range(2)]
         await until(lambda: pool.free_slots == 0, "both calls take their slots")
         t0 = time.monotonic()
@@ -140,12 +140,12 @@ async def test_a_dead_server_is_the_librarys_exception() -> None:
 async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
     config = GatewaySettings(slots=2, token="a-long-enough-token-123")
     app = create_app(config, SharedPoolQueue(pool, config.max_queued))
-    async with AsyncClient("http://codeenv", transport=httpx.ASGITransport(app=app)) as client:
+    async with AsyncClient("http://localhost", transport=httpx.ASGITransport(app=app)) as client:
         with pytest.raises(RequestRejected) as info:
             await client.run("print(1)")
         assert info.value.status_code == 401
     ledger = ToolLedger()
-    async with AsyncClient("http://codeenv", transport=httpx.ASGITransport(app=app),
+    async with AsyncClient("http://localhost", transport=httpx.ASGITransport(app=app),
                            token="a-long-enough-token-123") as client:
         await client.run("print(1)", ledger=ledger)
         await client.run("1/0", ledger=ledger)

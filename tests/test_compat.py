@@ -97,7 +97,7 @@ async def test_sandbox_fusion_fetch_refusals(server: str) -> None:
 async def test_sandbox_fusion_overload_is_504(pool: SlotPool) -> None:
     settings = GatewaySettings(slots=2, max_queued=1)
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         replies = await asyncio.gather(*(c.post("/run_code", json={"code": "import time; time.sleep(0.3)",
                                                                   "language": "python"}) for _ in range(6)))
     codes = Counter(r.status_code for r in replies)
@@ -363,7 +363,7 @@ async def test_a_deep_queue_with_rstar2_agent_retries_runs_each_call_once(pool: 
     app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
     codes = [f"import time\ntime.sleep(0.25)\nprint({i})" for i in range(24)]  # 3 s of work on 2 slots
     before = pool.calls_started
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         results = await long_batch(c, codes, max_retries=10)
     assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(24)]
     assert pool.calls_started - before == 24

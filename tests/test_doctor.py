@@ -38,7 +38,8 @@ def test_this_host_can_run_a_worker() -> None:
     for name in ("root", "python", "namespace user", "namespace pid", "namespace net", "namespace mount",
                  "namespace uts", "namespace ipc", "namespace cgroup", "seccomp", "nsjail", "cgroup",
                  "cgroup memory", "cgroup pids", "sandbox image", "memory limit", "slot sizing", "swap",
-                 "slot uids", "unprivileged bpf", "core dumps", "socket memory"):
+                 "slot uids", "unprivileged bpf", "core dumps", "socket memory", "kernel log", "userfaultfd",
+                 "io_uring", "x32 syscalls"):
         assert name in checks, name
     assert checks["cgroup"]["detail"].startswith("v1 at /sys/fs/cgroup")
     sizing = report["sizing"]

@@ -361,7 +361,7 @@ async def test_a_full_queue_answers_overloaded_and_recovers(
     await queue.start()
     app = create_app(settings, queue)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             waiting = asyncio.ensure_future(queue.submit([ExecRequest(code=f"print({i})") for i in range(5)]))
             await asyncio.sleep(0.2)  # no worker yet: five calls fill the queue
             r = await c.post("/v1/execute/batch", json={"requests": [{"code": "print(1)"}] * 3})
@@ -437,7 +437,7 @@ async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: Servi
         return done
 
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://codeenv",
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
                                      timeout=120) as c:
             counts = await asyncio.wait_for(asyncio.gather(*(client(c, n) for n in range(64))), 240)
         assert sum(counts) == 64 * per_client >= 10_000

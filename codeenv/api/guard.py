@@ -1,7 +1,13 @@
-"""ASGI middleware in front of every route: the token, then a JSON body read, capped and parsed once.
+"""ASGI middleware in front of every route: requests a browser forged, the token, then a JSON body
+read, capped and parsed once.
 
-Bodies are read once, size-capped (413) and parsed here (400 for malformed or too deeply nested
-JSON), so bad input always gets a 4xx that says what to fix, never a 5xx.
+A web page open in a browser on the same machine can send requests to a service on loopback:
+form posts and `text/plain` bodies need no CORS preflight, and DNS rebinding lets such a page read
+the answers. So every request with an `Origin` other than the service's own is refused (403),
+without a token a `Host` that is not the bound address, localhost or an allowed name is refused
+(403: a rebound page sends its own name), and a JSON endpoint takes only `Content-Type:
+application/json` (415). Bodies are read once, size-capped (413) and parsed here (400 for
+malformed or too deeply nested JSON), so bad input always gets a 4xx that says what to fix.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class Guard:
         self.settings = settings
         self.json_paths = frozenset(json_paths)
         self.expected = f"Bearer {settings.token}".encode() if settings.token is not None else None
+        bound = settings.host.strip("[]").lower()
+        self.hosts = {bound, "localhost", "127.0.0.1", "::1", *(h.lower() for h in settings.allowed_hosts)}
+        self.origins = {o.rstrip("/").lower() for o in settings.allowed_origins}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -43,11 +52,17 @@ class Guard:
             return
         scope[ACCEPTED] = time.monotonic()
         try:
+            headers = dict(scope["headers"])
+            self._check_browser(headers, scope.get("scheme", "http"))
             if self.expected is not None:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
             if scope["method"] == "POST" and scope["path"] in self.json_paths:
+                media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+                if media != b"application/json":
+                    shown = media.decode("latin-1") or "none"
+                    raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got {shown})")
                 body = await self._read_body(scope, receive)
                 if body is None:
                     return  # the client went away while sending
@@ -74,6 +89,19 @@ class Guard:
             return
         await self.app(scope, receive, send)
 
+    def _check_browser(self, headers: dict[bytes, bytes], scheme: str) -> None:
+        host = headers.get(b"host", b"").decode("latin-1").lower()
+        if self.expected is None and host and _hostname(host) not in self.hosts:
+            raise ApiError(403, f"Host {host!r} is not this service's address: without a token the service answers "
+                                "only its bound address and localhost; add the name to CODEENV_ALLOWED_HOSTS, or "
+                                "set a token")
+        origin = headers.get(b"origin")
+        if origin is not None:
+            given = origin.decode("latin-1").rstrip("/").lower()
+            if given not in self.origins and given != f"{scheme}://{host}":
+                raise ApiError(403, f"requests from web pages of other origins are refused (Origin: {given}); "
+                                    "to allow one, add it to CODEENV_ALLOWED_ORIGINS")
+
     async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
         max_bytes = self.settings.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -92,3 +120,10 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _hostname(host: str) -> str:
+    """The name of a Host header, without its port ("[::1]:8000" -> "::1")."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

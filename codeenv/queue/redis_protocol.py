@@ -13,6 +13,7 @@ The keys, all under one prefix (default ``codeenv``):
 ``P:reply:GATEWAY``       results for one gateway process, read in bulk (BLMPOP)
 ``P:alive:WORKER``        a worker's heartbeat; it expires ``worker_dead_after_s`` after the last
 ``P:workers``             worker -> its last reported stats (slots, free slots, restarts, calls)
+``P:jobs:no-id``          never written: stands for "no client id" among a script's keys
 ========================  =====================================================================
 
 The contract: a job runs only after a worker set its ``started`` marker (SET NX) with a slot already
@@ -59,6 +60,9 @@ class Keys:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.jobs = f"{prefix}:jobs"
+        #: Stands for "no key" in the scripts' KEYS (a call without a client id): a name under the
+        #: prefix that is never written, so that an ACL user limited to the prefix may pass it.
+        self.none = f"{self.jobs}:no-id"
         self.workers = f"{prefix}:workers"
 
     def started(self, job: str) -> str:
@@ -84,6 +88,7 @@ class Keys:
 # fingerprint, payload) per call. Answers per call: the new entry id; "fingerprint job entry" of the
 # call a client id already names (attach to it); or "" when the queue is full.
 _SUBMIT = """
+local NONE = KEYS[1] .. ':no-id'
 local depth = redis.call('XLEN', KEYS[1])
 local maxq = tonumber(ARGV[1])
 local out = {}
@@ -91,7 +96,7 @@ for c = 1, #KEYS - 1 do
   local call_key = KEYS[c + 1]
   local job, fp, payload = ARGV[3 * c], ARGV[3 * c + 1], ARGV[3 * c + 2]
   local prev = false
-  if call_key ~= '' then prev = redis.call('GET', call_key) end
+  if call_key ~= NONE then prev = redis.call('GET', call_key) end
   if prev then
     out[#out + 1] = prev
   elseif depth >= maxq then
@@ -99,7 +104,7 @@ for c = 1, #KEYS - 1 do
   else
     local entry = redis.call('XADD', KEYS[1], '*', 'k', job, 'job', payload)
     depth = depth + 1
-    if call_key ~= '' then redis.call('SET', call_key, fp .. ' ' .. job .. ' ' .. entry, 'EX', ARGV[2]) end
+    if call_key ~= NONE then redis.call('SET', call_key, fp .. ' ' .. job .. ' ' .. entry, 'EX', ARGV[2]) end
     out[#out + 1] = entry
   end
 end
@@ -110,13 +115,14 @@ return out
 # cancelled marker, then the entry per call. A call is cancelled only if nobody marked it started:
 # 1 per cancelled call, else 0.
 _CANCEL = """
+local NONE = KEYS[1] .. ':no-id'
 local out = {}
 for c = 1, (#KEYS - 1) / 2 do
   local entry = ARGV[3 + c]
   if redis.call('SET', KEYS[2 * c], ARGV[3], 'NX', 'EX', ARGV[2]) then
     redis.pcall('XACK', KEYS[1], ARGV[1], entry)
     redis.call('XDEL', KEYS[1], entry)
-    if KEYS[2 * c + 1] ~= '' then redis.call('DEL', KEYS[2 * c + 1]) end
+    if KEYS[2 * c + 1] ~= NONE then redis.call('DEL', KEYS[2 * c + 1]) end
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
@@ -165,13 +171,14 @@ return n
 """
 
 # KEYS: the jobs stream, the gateway's reply list, the job's started key, then the call and result
-# keys ("" without a client id). ARGV: group, entry, job, result JSON, 1 if the call started else
+# keys (Keys.none without a client id). ARGV: group, entry, job, result JSON, 1 if the call started else
 # 0, results_ttl_s, reply_ttl_s, the done marker, done_ttl_s. Writes the result (and keeps it under
 # the client id), acks and deletes the entry, and marks the job done, atomically.
 _FINISH = """
+local NONE = KEYS[1] .. ':no-id'
 redis.call('LPUSH', KEYS[2], ARGV[3] .. '\\n' .. ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
-if KEYS[4] ~= '' then
+if KEYS[4] ~= NONE then
   redis.call('SET', KEYS[5], ARGV[4], 'EX', ARGV[6])
   if ARGV[5] == '0' then
     redis.call('DEL', KEYS[4])
@@ -218,7 +225,7 @@ class Scripts:
 
     async def submit(self, calls: list[NewCall], max_queued: int, call_ttl_s: int) -> list[str]:
         """Per call: its new entry id, "fingerprint job entry" of the call its id names, or "" (full)."""
-        keys = [self.keys.jobs, *(self.keys.call(c.call_id) if c.call_id else "" for c in calls)]
+        keys = [self.keys.jobs, *(self.keys.call(c.call_id) if c.call_id else self.keys.none for c in calls)]
         args: list[str | int] = [max_queued, call_ttl_s]
         for c in calls:
             args += [c.job, c.fingerprint, c.payload]
@@ -228,7 +235,7 @@ class Scripts:
         """Cancel (job, entry, client id) calls nobody started; per call, whether it was cancelled."""
         keys = [self.keys.jobs]
         for job, _, call_id in calls:
-            keys += [self.keys.started(job), self.keys.call(call_id) if call_id else ""]
+            keys += [self.keys.started(job), self.keys.call(call_id) if call_id else self.keys.none]
         args: list[str | int] = [GROUP, ttl_s, Marker.cancelled.value, *(entry for _, entry, _ in calls)]
         return [bool(done) for done in await self._cancel(keys=keys, args=args)]
 
@@ -250,7 +257,8 @@ class Scripts:
                      started: bool, results_ttl_s: int) -> None:
         """Write a job's result to its gateway (and under its client id), ack it, mark it done."""
         keys = [self.keys.jobs, reply, self.keys.started(job),
-                self.keys.call(call_id) if call_id else "", self.keys.result(call_id) if call_id else ""]
+                self.keys.call(call_id) if call_id else self.keys.none,
+                self.keys.result(call_id) if call_id else self.keys.none]
         await self._finish(keys=keys, args=[GROUP, entry, job, result_json, int(started), results_ttl_s,
                                             REPLY_TTL_S, Marker.done.value, DONE_TTL_S])
 
