@@ -7,6 +7,7 @@ import asyncio
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +38,14 @@ def _ping(port: int) -> bytes:
             return s.recv(128)
     except OSError:
         return b""
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 def environment(pid: int) -> bytes:
@@ -126,4 +135,37 @@ async def test_gateway_and_worker_run_as_redis_users_of_their_own(tmp_path: Path
     finally:
         gateway.stop()
         worker.stop()
+        redis.stop()
+
+
+@pytest.mark.redis
+async def test_redis_over_tls_end_to_end(tmp_path: Path) -> None:
+    # A self-signed certificate for 127.0.0.1; the service verifies it against that CA file.
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+               "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+               "-out", str(tmp_path / "cert.pem")]
+    await asyncio.to_thread(subprocess.run, openssl, check=True, capture_output=True)
+    port = free_port()
+    binary = shutil.which("redis-server")
+    assert binary is not None
+    redis = Service("redis-server", [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                                     "--tls-cert-file", str(tmp_path / "cert.pem"), "--tls-key-file",
+                                     str(tmp_path / "key.pem"), "--tls-ca-cert-file", str(tmp_path / "cert.pem"),
+                                     "--tls-auth-clients", "no", "--save", "", "--appendonly", "no"],
+                    port=port, log=tmp_path / "redis.log").start()
+    url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={tmp_path / 'cert.pem'}"
+    gateway_port = free_port()
+    gateway = Service("codeenv serve", [sys.executable, "-m", "codeenv.cli", "serve", "--slots", "1", "--port",
+                                        str(gateway_port), "--log-level", "warning"],
+                      port=gateway_port, url=f"http://127.0.0.1:{gateway_port}", log=tmp_path / "serve.log",
+                      env=jail_env(CODEENV_REDIS_URL=url))
+    try:
+        await until(lambda: _listening(port), "redis-server listening", 30)
+        gateway.start()
+        await gateway.await_ready(180)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            r = await client.post("/v1/execute", json={"code": "print(6 * 7)"})
+            assert r.status_code == 200 and r.json()["stdout"] == "42\n", r.text
+    finally:
+        gateway.stop()
         redis.stop()
