@@ -97,12 +97,16 @@ ENOSYS = 38
 
 
 def syscalls_file(image_name: str) -> Path:
-    """The allowlist of image `image_name`: its own syscalls.txt, else python-math's."""
-    for directory in search_dirs():
-        candidate = directory / image_name / "syscalls.txt"
-        if candidate.is_file():
-            return candidate
-    return Path(__file__).resolve().parents[2] / "sandbox_images" / "python-math" / "syscalls.txt"
+    """The allowlist of image `image_name`: its own syscalls.txt, else python-math's (ImageError if
+    neither is found where image declarations are: $CODEENV_IMAGE_PATH, then the shipped ones)."""
+    for name in (image_name, "python-math"):
+        for directory in search_dirs():
+            candidate = directory / name / "syscalls.txt"
+            if candidate.is_file():
+                return candidate
+    looked = ", ".join(str(d) for d in search_dirs())
+    raise ImageError(f"no seccomp allowlist for image {image_name}: put a syscalls.txt next to its image.toml "
+                     f"(looked in {looked})")
 
 
 def read_allowlist(path: Path) -> list[str]:
