@@ -374,6 +374,9 @@ class V1Cgroup:
             self._files.write(self.memory, "memory.kmem.tcp.limit_in_bytes", str(limit_bytes))
         except FileNotFoundError:
             return False
+        except OSError as exc:  # e.g. a kernel that refuses it once the group has had sockets
+            logger.warning("no socket buffer cap for %s: %s", self.name, exc)
+            return False
         return True
 
     def memory_usage(self) -> int:
