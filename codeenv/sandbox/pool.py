@@ -107,11 +107,6 @@ class _SlotBroker:
     def __len__(self) -> int:
         return len(self._free)
 
-    @property
-    def queued(self) -> bool:
-        """Whether calls are waiting for a slot (cancelled waiters may linger: an estimate, O(1))."""
-        return bool(self._waiters) or any(self._pinned.values())
-
     async def acquire(self, index: int | None = None) -> Slot:
         if self.closed:
             raise PoolClosed("the slot pool is shutting down")
@@ -342,10 +337,10 @@ class SlotPool:
                         await slot.recycle(zygote, "its zygote had died")
                     if request.deadline_s is not None and time.monotonic() - queued > request.deadline_s:
                         raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
-                    # Pre-fork the next child only while nobody queues: at saturation the extra
-                    # hand-over costs throughput, and queued calls would not see the latency win.
-                    outcome = await zygote.run(code, stdin, limits, prefork_next=not self._free.queued,
-                                               files=files, fetch=fetch)
+                    # Always pre-fork the next child: a child forked on demand must wait for the
+                    # worker to raise its OOM score (a round trip per call), which costs more at
+                    # saturation than handing the call to a spare (measured: benchmarks/README.md).
+                    outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch)
             except _DeadlinePassed:
                 zygote.busy = False  # nothing ran: the slot goes back as it is
                 if self._open:
