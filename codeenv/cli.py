@@ -335,7 +335,8 @@ def image_syscalls(
         if status != "ok":
             err.print(f"[yellow]{escape(label)}[/]: {escape(status)}")
     names = syscall_names()
-    missing = sorted({names.get(number, f"SYSCALL[{number}]") for number in logged} - allowed)
+    refused = set(seccomp.KILLED) | set(seccomp.NEVER_ALLOWED)  # what no list may allow
+    missing = sorted({names.get(number, f"SYSCALL[{number}]") for number in logged} - allowed - refused)
     print("\n".join(missing) if missing else f"# every call the programs made is in {path}")
     if write and missing:
         with path.open("a") as out:

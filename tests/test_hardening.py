@@ -143,6 +143,16 @@ def test_the_policy_is_data_and_compiles_in_every_mode() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("name", ["clone3", "io_setup", "ptrace"])
+def test_an_allowlist_cannot_allow_what_the_policy_refuses(tmp_path: Path, name: str) -> None:
+    from codeenv.errors import ImageError
+
+    (tmp_path / "syscalls.txt").write_text(f"read\n{name}  # added by hand\n")
+    with pytest.raises(ImageError, match=f"{name} may not be allowed"):
+        seccomp.read_allowlist(tmp_path / "syscalls.txt")
+
+
+@pytest.mark.unit
 def test_audit_records_are_read_for_the_pools_uids() -> None:
     records = [
         '5,1,2,-;audit: type=1326 audit(1.2:3): auid=4294967295 uid=1500000001 gid=1500000001 ses=4294967295 '
