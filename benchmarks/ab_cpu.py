@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,8 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
+from ab_revisions import ROOT, spread, wait_ready, worktree  # this directory: run as a script
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCHES, BATCH = 20, 100
 
 
@@ -42,16 +41,7 @@ def measure(tree: Path, port: int, uid_base: int) -> tuple[float, float]:
                              "--log-level", "warning"], env=env, cwd=tree, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{tree} did not become ready")
-            time.sleep(0.2)
+        wait_ready(url)
         body = {"requests": [{"code": "print(1)"}] * BATCH}
         with httpx.Client(base_url=url, timeout=120) as client:
             client.post("/v1/execute/batch", json=body).raise_for_status()  # warm
@@ -66,11 +56,6 @@ def measure(tree: Path, port: int, uid_base: int) -> tuple[float, float]:
         proc.wait(60)
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4), "rounds": len(values)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rev_a")
@@ -80,11 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     raw: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
     with tempfile.TemporaryDirectory(prefix="codeenv-ab-") as tmp:
-        trees = {}
-        for side, rev in (("a", args.rev_a), ("b", args.rev_b)):
-            trees[side] = Path(tmp) / side
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(trees[side]), rev],
-                           check=True, capture_output=True)
+        trees = {"a": worktree(args.rev_a, Path(tmp)), "b": worktree(args.rev_b, Path(tmp))}
         try:
             for n in range(args.rounds):
                 for side in ("a", "b") if n % 2 == 0 else ("b", "a"):

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ab_revisions import spread  # this directory: run as a script
 
 from codeenv.bench.services import free_port, start_codeenv
 
@@ -44,11 +45,6 @@ def bench(url: str, args: list[str], out: Path) -> dict[str, float]:
         report.unlink()
     return {"throughput_per_s": target["throughput_per_s"], "p50_ms": target["latency_ms"]["p50"],
             "answered": target["calls_answered"]}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4), "rounds": len(values)}
 
 
 def main() -> None:

@@ -48,21 +48,27 @@ def _listening(port: int) -> bool:
     return True
 
 
+def redis_with_config(tmp_path: Path, config: str) -> tuple[Service, int]:
+    """A redis-server on a free port whose secrets are in a config file only root reads (not its argv)."""
+    conf = tmp_path / "redis.conf"
+    conf.write_text(f"save \"\"\nappendonly no\n{config}")
+    conf.chmod(0o600)
+    port = free_port()
+    binary = shutil.which("redis-server")
+    assert binary is not None
+    redis = Service("redis-server", [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1"], port=port,
+                    log=tmp_path / "redis.log")
+    return redis.start(), port
+
+
 def environment(pid: int) -> bytes:
     return Path(f"/proc/{pid}/environ").read_bytes()
 
 
 async def test_serve_with_processes_puts_no_secret_on_a_command_line(tmp_path: Path) -> None:
     password, token = secrets.token_hex(16), secrets.token_hex(16)
-    # A redis-server that needs the password, given in a file only root reads (not its argv).
-    conf = tmp_path / "redis.conf"
-    conf.write_text(f"port 0\nrequirepass {password}\nsave \"\"\nappendonly no\n")
-    conf.chmod(0o600)
-    port = free_port()
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    redis = Service("redis-server", [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1"], port=port,
-                    log=tmp_path / "redis.log").start()
+    # A redis-server that needs the password.
+    redis, port = redis_with_config(tmp_path, f"requirepass {password}\n")
     gateway_port = free_port()
     url = f"http://127.0.0.1:{gateway_port}"
     gateway = Service("codeenv serve", [sys.executable, "-m", "codeenv.cli", "serve", "--processes", "2", "--slots",
@@ -101,17 +107,8 @@ async def test_gateway_and_worker_run_as_redis_users_of_their_own(tmp_path: Path
     # The ACL users docs/deploy.md gives, on a real redis-server: a gateway and a worker each with
     # their own user and password, and the default user off.
     gateway_pw, worker_pw = secrets.token_hex(16), secrets.token_hex(16)
-    conf = tmp_path / "redis.conf"
-    conf.write_text(f"save \"\"\nappendonly no\nuser default off\n"
-                    f"user codeenv-gateway on >{gateway_pw} {GATEWAY_ACL}\n"
-                    f"user codeenv-worker on >{worker_pw} {WORKER_ACL}\n"
-                    )
-    conf.chmod(0o600)
-    port = free_port()
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    redis = Service("redis-server", [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1"], port=port,
-                    log=tmp_path / "redis.log").start()
+    redis, port = redis_with_config(tmp_path, f"user default off\nuser codeenv-gateway on >{gateway_pw} {GATEWAY_ACL}\n"
+                                              f"user codeenv-worker on >{worker_pw} {WORKER_ACL}\n")
     await until(lambda: redis_ready(port) or b"NOAUTH" in _ping(port), "redis-server listening", 30)
     url = f"redis://codeenv-{{}}:{{}}@127.0.0.1:{port}/0"
     worker = Service("codeenv worker", [sys.executable, "-m", "codeenv.cli", "worker", "--slots", "1"],

@@ -55,7 +55,7 @@ class Guard:
             headers = dict(scope["headers"])
             self._check_browser(headers, scope.get("scheme", "http"))
             if self.expected is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
+                given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
             if scope["method"] == "POST" and scope["path"] in self.json_paths:
@@ -63,7 +63,7 @@ class Guard:
                 if media != b"application/json":
                     shown = media.decode("latin-1") or "none"
                     raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got {shown})")
-                body = await self._read_body(scope, receive)
+                body = await self._read_body(headers, receive)
                 if body is None:
                     return  # the client went away while sending
                 try:
@@ -102,9 +102,9 @@ class Guard:
                 raise ApiError(403, f"requests from web pages of other origins are refused (Origin: {given}); "
                                     "to allow one, add it to CODEENV_ALLOWED_ORIGINS")
 
-    async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Any) -> bytes | None:
         max_bytes = self.settings.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > max_bytes:
             raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {max_bytes}")
         chunks: list[bytes] = []
