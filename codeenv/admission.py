@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
-from codeenv.models import ExecRequest, Limits, LimitValues
+from codeenv.models import ExecRequest, JudgeRequest, Limits, LimitValues
 
 if TYPE_CHECKING:
     from codeenv.settings import SandboxSettings
@@ -96,3 +97,52 @@ def check_path(path: str) -> None:
         path.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequest(f"file path {path!r} is not valid Unicode") from None
+
+
+# --- judged submissions (/v1/judge) ---------------------------------------------------------------
+
+
+def judge_call(request: JudgeRequest, settings: SandboxSettings) -> ExecRequest:
+    """The call that judges `request`; raise InvalidRequest saying what to fix."""
+    call = request.to_call()
+    judge_limits(call, settings)
+    return call
+
+
+def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[LimitValues, float]:
+    """A judged call's per-test limits and its total wall-clock budget; raise InvalidRequest.
+
+    CPU time decides a test's time limit; its wall-clock limit, unless asked, is a safety net of
+    3 x the CPU limit + 1 s, so that a contended host does not turn correct solutions into timeouts.
+    """
+    spec = request.judge
+    assert spec is not None
+    tests = spec.tests
+    if len(tests) > settings.judge_max_tests:
+        raise InvalidRequest(f"{len(tests)} tests; the limit is {settings.judge_max_tests}")
+    size = 0
+    for test in tests:
+        if spec.fn_name is None:
+            size += len((test.stdin or "").encode()) + len((test.expected_stdout or "").encode())
+        else:
+            size += len(json.dumps(test.args or [])) + len(json.dumps(test.expected))
+        if size > settings.judge_max_bytes:
+            raise InvalidRequest(f"the tests hold more than {settings.judge_max_bytes} bytes")
+    if request.files or request.fetch_files or request.stdin:
+        raise InvalidRequest("a judged call has no stdin, files or fetch_files of its own: tests carry the input")
+    code = request.code.encode("utf-8")
+    if len(code) > settings.max_code_bytes:
+        raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+    asked = request.limits
+    cpu = asked.cpu_s if asked.cpu_s is not None else settings.defaults.cpu_s
+    values = resolve_limits(asked.model_copy(update={"cpu_s": cpu, "wall_s": None}), settings.defaults, settings.caps)
+    wall = asked.wall_s if asked.wall_s is not None else 3 * cpu + 1
+    if asked.wall_s is not None and asked.wall_s > settings.caps.wall_s:
+        raise LimitExceedsCap("limits.wall_s", asked.wall_s, settings.caps.wall_s)
+    limits = values.model_copy(update={"wall_s": wall})
+    total = spec.total_wall_s
+    if total is not None and total > settings.judge_max_total_wall_s:
+        raise LimitExceedsCap("total_wall_s", total, settings.judge_max_total_wall_s)
+    if total is None:
+        total = min(len(tests) * (wall + 1), settings.judge_max_total_wall_s)
+    return limits, total

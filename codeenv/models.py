@@ -7,9 +7,9 @@ It knows nothing of the server's settings: checking a request against them is ad
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class Status(StrEnum):
@@ -114,6 +114,7 @@ class ExecRequest(BaseModel):
     fetch_files: list[Text] = Field(
         default_factory=list, description="files to read back from the work dir after the run (relative paths)"
     )
+    judge: JudgeSpec | None = Field(None, description="set by /v1/judge: run the code against these tests")
 
 
 class ErrorInfo(BaseModel):
@@ -149,6 +150,7 @@ class ExecResult(BaseModel):
     files: dict[str, str] | None = Field(None, description="fetched files: path -> base64 content")
     file_errors: dict[str, str] | None = Field(None, description="files that could not be fetched: path -> why")
     message: str | None = None
+    judge: JudgeOutcome | None = Field(None, description="a judged call's tests (see /v1/judge)")
 
     _encoded: str | None = PrivateAttr(None)
 
@@ -164,3 +166,206 @@ class ExecResult(BaseModel):
         if self._encoded is None:
             self._encoded = self.model_dump_json()
         return self._encoded
+
+
+# --- code rewards: a submission judged against a problem's tests (POST /v1/judge) -----------------
+
+
+class Compare(StrEnum):
+    """How a test's output is compared with the expected one (outside the jail)."""
+
+    exact = "exact"  # byte for byte
+    lines = "lines"  # trailing whitespace per line and trailing blank lines ignored
+    tokens = "tokens"  # whitespace-separated tokens equal
+    float = "float"  # tokens equal, or both numbers with |a - b| <= tol * max(1, |b|)
+
+
+class TestStatus(StrEnum):
+    """How one test ended."""
+
+    passed = "passed"
+    wrong_answer = "wrong_answer"
+    timeout = "timeout"
+    memory = "memory"
+    error = "error"
+    output_limit = "output_limit"
+    killed = "killed"
+    skipped = "skipped"  # not run: an earlier test failed and stop_on_failure was set
+    internal_error = "internal_error"
+
+
+class JudgeStatus(StrEnum):
+    """How a whole submission ended. Only `internal_error`, `overloaded` and `rejected` (one item of a
+    batch that could not be run) are the service's doing."""
+
+    passed = "passed"
+    failed = "failed"
+    compile_error = "compile_error"
+    internal_error = "internal_error"
+    overloaded = "overloaded"
+    rejected = "rejected"
+
+
+#: Languages the judge runs.
+JUDGE_LANGUAGES = ("python",)
+
+
+class JudgeTest(BaseModel):
+    """One test: `stdin` and `expected_stdout`, or (with the request's `fn_name`) `args` and `expected`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stdin: Text | None = Field(None, description="stdin tests: the program's input")
+    expected_stdout: Text | None = Field(None, description="stdin tests: the output that passes")
+    args: list[Any] | None = Field(None, description="function-call tests: the positional arguments (JSON)")
+    expected: Any = Field(None, description="function-call tests: the return value that passes (JSON)")
+
+
+def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> None:
+    """ValueError unless `tests` are all of the kind `fn_name` says (stdin tests without it). A test
+    `as_sent` by a caller counts the fields it gave; after a trip through a queue, those not null."""
+    if not tests:
+        raise ValueError("tests is empty: give at least one test")
+    if fn_name is not None and not fn_name.isidentifier():
+        raise ValueError(f"fn_name {fn_name!r} is not a Python identifier")
+    for i, test in enumerate(tests):
+        given = test.model_fields_set if as_sent else {k for k, v in test if v is not None}
+        if fn_name is None and (given & {"args", "expected"} or "expected_stdout" not in given):
+            raise ValueError(f"tests[{i}]: stdin tests have stdin and expected_stdout (args and expected are "
+                             "for function-call tests, with fn_name)")
+        if fn_name is not None and (given & {"stdin", "expected_stdout"} or (as_sent and "expected" not in given)):
+            raise ValueError(f"tests[{i}]: function-call tests (fn_name is set) have args and expected, not "
+                             "stdin or expected_stdout")
+
+
+class JudgeSpec(BaseModel):
+    """What makes a call a judged one: the tests and how to compare. Carried inside an ExecRequest
+    (`judge`) from the gateway to the worker; expected answers stay with the worker, never in the jail."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tests: list[JudgeTest]
+    fn_name: Text | None = Field(None, max_length=256)
+    compare: Compare = Compare.lines
+    float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
+    stop_on_failure: bool = False
+    total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _tests_fit(self) -> JudgeSpec:
+        _check_tests(self.tests, self.fn_name, as_sent=False)
+        return self
+
+
+class JudgeRequest(BaseModel):
+    """A submission and a problem's tests: POST /v1/judge."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: Text
+    language: Text = Field("python", description="only python so far")
+    tests: list[JudgeTest] = Field(description="stdin tests, or function-call tests with fn_name")
+    fn_name: Text | None = Field(None, max_length=256,
+                                 description="function-call tests: the function, or method of class Solution")
+    compare: Compare = Compare.lines
+    float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False, description="relative tolerance of compare=float")
+    stop_on_failure: bool = Field(False, description="skip every test after the first failure (as a sequential run)")
+    limits: Limits = Field(default_factory=Limits, description="per test; wall_s defaults to 3 x cpu_s + 1")
+    total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="wall-clock seconds for all tests")
+    id: Text | None = Field(None, max_length=128, description="the caller's call id")
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                     description="must start within this many seconds, or it is answered overloaded")
+    checker: Any = Field(None, description="not supported yet: a special checker")
+    interactive: bool = Field(False, description="not supported yet: an interactive problem")
+
+    @model_validator(mode="after")
+    def _supported(self) -> JudgeRequest:
+        _check_tests(self.tests, self.fn_name, as_sent=True)
+        if self.language.lower() not in JUDGE_LANGUAGES:
+            raise ValueError(f"language {self.language!r} is not supported; the judge runs "
+                             f"{', '.join(JUDGE_LANGUAGES)}")
+        if self.checker is not None:
+            raise ValueError("special checkers are not supported yet: give expected outputs and a compare mode")
+        if self.interactive:
+            raise ValueError("interactive problems are not supported yet")
+        return self
+
+    def to_call(self) -> ExecRequest:
+        """The call that judges this submission (what travels through the queue to a worker)."""
+        spec = JudgeSpec(tests=self.tests, fn_name=self.fn_name, compare=self.compare, float_tol=self.float_tol,
+                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s)
+        return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec)
+
+
+class TestResult(BaseModel):
+    """The outcome of one test."""
+
+    __test__ = False  # not a pytest test class
+
+    status: TestStatus
+    limit: LimitName | None = None
+    wall_s: float = 0.0
+    cpu_s: float = Field(0.0, description="the test's CPU time, the submission's preparation included")
+    memory_peak_kb: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = Field("", description="truncated (the comparison saw it in full)")
+    stderr: str = ""
+    value: str | None = Field(None, description="function-call tests: the returned value as JSON (truncated)")
+    error: ErrorInfo | None = None
+    message: str | None = None
+
+
+class CompileInfo(BaseModel):
+    """The submission's compilation."""
+
+    status: str = Field(description="ok or error")
+    stderr: str = ""
+
+
+class JudgeOutcome(BaseModel):
+    """What a worker found for a judged call (inside ExecResult.judge)."""
+
+    passed: int = 0
+    total: int = 0
+    tests: list[TestResult] = Field(default_factory=list)
+    compile: CompileInfo | None = None
+    prepared: int = Field(0, description="how many times the submission was prepared (once per slot and restart)")
+
+
+class JudgeResult(BaseModel):
+    """The answer to POST /v1/judge."""
+
+    id: str | None = None
+    status: JudgeStatus
+    passed: int = 0
+    total: int = 0
+    tests: list[TestResult] = Field(default_factory=list)
+    compile: CompileInfo | None = None
+    queue_s: float = 0.0
+    wall_s: float = 0.0
+    worker: str = ""
+    message: str | None = None
+
+    @classmethod
+    def from_call(cls, result: ExecResult) -> JudgeResult:
+        """The JudgeResult of a judged call's result."""
+        judged = result.judge
+        common: dict[str, Any] = {"id": result.id, "queue_s": result.queue_s, "wall_s": result.wall_s,
+                                  "worker": result.worker, "message": result.message}
+        if result.status in (Status.rejected, Status.overloaded, Status.internal_error) or judged is None:
+            status = {Status.rejected: JudgeStatus.rejected, Status.overloaded: JudgeStatus.overloaded}.get(
+                result.status, JudgeStatus.internal_error)
+            if judged is None and status is JudgeStatus.internal_error and not result.message:
+                common["message"] = f"the call ended {result.status.value} without judging"
+            return cls(status=status, **common)
+        if judged.compile is not None and judged.compile.status == "error":
+            status = JudgeStatus.compile_error
+        elif any(t.status is TestStatus.internal_error for t in judged.tests):
+            status = JudgeStatus.internal_error
+        elif judged.passed == judged.total:
+            status = JudgeStatus.passed
+        else:
+            status = JudgeStatus.failed
+        return cls(status=status, passed=judged.passed, total=judged.total, tests=judged.tests,
+                   compile=judged.compile, **common)

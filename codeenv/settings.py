@@ -90,6 +90,11 @@ class SandboxSettings(BaseSettings):
     max_files: int = Field(256, ge=0, description="input files plus files to fetch, per call")
     max_files_bytes: int = Field(64 << 20, ge=0, description="input files' total size, per call")
     max_fetch_bytes: int = Field(16 << 20, ge=0, description="fetched files' total size, per call")
+    judge_max_tests: int = Field(1000, gt=0, description="most tests in one judged submission")
+    judge_max_bytes: int = Field(64 << 20, gt=0, description="most bytes of tests (inputs and expected answers) "
+                                                             "in one judged submission")
+    judge_max_total_wall_s: float = Field(900, gt=0, description="most wall-clock seconds for all tests of one "
+                                                                 "judged submission")
     zygote_start_timeout_s: float = Field(120, gt=0)
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")

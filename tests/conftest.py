@@ -7,18 +7,25 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 import uvicorn
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
+from codeenv.api import create_app
 from codeenv.bench.services import Service, ServiceError, free_port, start_codeenv, start_redis
+from codeenv.queue.embedded import EmbeddedQueue
+from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.zygote_proc import ZygoteProcess
+from codeenv.settings import GatewaySettings
+from codeenv.worker import StreamWorker
 
 SLOTS = 2
 #: What each tier's tests may use: a `unit` test none of these fixtures, a `jail` test the pool.
@@ -140,3 +147,37 @@ async def serving(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+class SharedPoolQueue(EmbeddedQueue):
+    """The session's pool, which the app must neither start nor close."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest_asyncio.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
+async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway in both queue modes: embedded, and Redis Streams with a worker on the same pool."""
+    settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
+    if request.param == "embedded":
+        app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+            yield c
+        return
+    redis_server: Service = request.getfixturevalue("redis_server")
+    settings = settings.model_copy(update={"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex})
+    worker = StreamWorker(settings, pool=pool)
+    queue = RedisQueue(settings)
+    await worker.start()
+    await queue.start()
+    try:
+        app = create_app(settings, queue)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+            yield c
+    finally:
+        await queue.close()
+        await worker.stop()

@@ -7,55 +7,15 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from codeenv import ExecRequest, SlotPool
 from codeenv.api import create_app
-from codeenv.bench.services import Service
-from codeenv.queue.embedded import EmbeddedQueue
-from codeenv.queue.redis import RedisQueue
 from codeenv.settings import GatewaySettings
-from codeenv.worker import StreamWorker
-from tests.conftest import start_service, until
-
-
-class SharedPoolQueue(EmbeddedQueue):
-    """The session's pool, which the app must neither start nor close."""
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-
-@pytest_asyncio.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
-async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
-    """The gateway in both queue modes: embedded, and Redis Streams with a worker on the same pool."""
-    settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
-    if request.param == "embedded":
-        app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
-            yield c
-        return
-    redis_server: Service = request.getfixturevalue("redis_server")
-    settings = settings.model_copy(update={"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex})
-    worker = StreamWorker(settings, pool=pool)
-    queue = RedisQueue(settings)
-    await worker.start()
-    await queue.start()
-    try:
-        app = create_app(settings, queue)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
-            yield c
-    finally:
-        await queue.close()
-        await worker.stop()
+from tests.conftest import SharedPoolQueue, start_service, until
 
 
 @pytest.mark.jail

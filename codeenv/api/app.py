@@ -20,12 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from codeenv.api import compat, native
+from codeenv.api import compat, judging, native
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
 from codeenv.errors import ApiError
-from codeenv.models import ExecRequest, Limits
+from codeenv.models import ExecRequest, JudgeRequest, Limits
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
 
@@ -69,23 +69,25 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
                   description="Run untrusted Python in jails, with hard limits and structured results.")
-    app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | compat.CODE_JUDGE_JSON_PATHS
-                       | compat.SANDBOX_FUSION_JSON_PATHS)
+    app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS
+                       | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
         return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
 
-    app.include_router(native.router(gateway))
-    app.include_router(compat.code_judge_router(gateway))
-    app.include_router(compat.sandbox_fusion_router(gateway))
+    # The routes go onto the app's own router: an included router stays a nested router that every
+    # request walks through (measured: +14% Python calls per /v1/execute, +38% per /run_code).
+    for api in (native.router(gateway), judging.router(gateway), compat.code_judge_router(gateway),
+                compat.sandbox_fusion_router(gateway)):
+        app.router.routes.extend(api.routes)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (ExecRequest, Limits, native.BatchRequest):
+            for model in (ExecRequest, Limits, native.BatchRequest, JudgeRequest, judging.JudgeBatchRequest):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js

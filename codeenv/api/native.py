@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from codeenv.api.guard import ACCEPTED, JSON_BODY
+from codeenv.api.guard import JSON_BODY
 from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, refusal, validation_errors
 from codeenv.errors import ApiError, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
@@ -114,53 +111,7 @@ def router(gateway: Gateway) -> APIRouter:
         the order calls end, so a fast call never waits for a slow sibling. A client that hangs up
         cancels its calls that have not started."""
         valid, refused = parse_batch(request)
-        gone = asyncio.Event()
-        indices = [i for i, item in enumerate(refused) if item is None]
-        started = request.scope.get(ACCEPTED, time.monotonic())
-
-        async def lines() -> AsyncIterator[str]:
-            statuses: dict[str, int] = {}
-            ended: asyncio.Queue[tuple[int, ExecResult]] = asyncio.Queue()
-            metrics.in_flight.inc(len(valid))
-            left = len(valid)
-            submitted = asyncio.ensure_future(calls.submit(
-                valid, gone, started, lambda i, result: ended.put_nowait((indices[i], result))))
-            answered: set[int] = set()
-
-            def failed(task: asyncio.Future[list[ExecResult]]) -> None:
-                # submit never raises for one bad call; if it fails as a whole, answer what is left.
-                exc = None if task.cancelled() else task.exception()
-                if exc is not None:
-                    logger.error("a streamed batch failed: %r", exc)
-                    for i in indices:
-                        if i not in answered:
-                            ended.put_nowait((i, ExecResult(status=Status.internal_error, started=True,
-                                                            message=f"the service failed on this call: {exc!r}")))
-
-            submitted.add_done_callback(failed)
-            try:
-                # At once: the client learns its calls are taken (headers alone may wait for a body).
-                yield f'{{"accepted":{len(refused)}}}\n'
-                for i, item in enumerate(refused):
-                    if item is not None:
-                        yield f'{{"i":{i},"result":{item.encoded()}}}\n'
-                while left:
-                    i, result = await ended.get()
-                    if i in answered:
-                        continue
-                    answered.add(i)
-                    left -= 1
-                    metrics.in_flight.dec()
-                    metrics.observe([result])
-                    statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
-                    yield f'{{"i":{i},"result":{result.encoded()}}}\n'
-            finally:
-                gone.set()  # the client hung up (or all is sent): unstarted calls are cancelled
-                metrics.in_flight.dec(left)
-                logger.info("stream", extra={"event": "stream", "calls": len(refused), "statuses": statuses,
-                                             "ms": round(1000 * (time.monotonic() - started), 2)})
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return gateway.stream(request, valid, refused, ExecResult.encoded)
 
     @api.get("/v1/results/{call_id:path}", response_model=ExecResult,
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from codeenv.api.guard import ACCEPTED, JSON_BODY
@@ -95,3 +96,57 @@ class Gateway:
         logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
                                     "ms": round(1000 * (time.monotonic() - started), 2)})
         return results
+
+    def stream(self, request: Request, valid: list[ExecRequest], refused: list[ExecResult | None],
+               encode: Callable[[ExecResult], str]) -> StreamingResponse:
+        """Run a batch and stream each result as its call ends (NDJSON): first `{"accepted": n}`
+        once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
+        end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
+        gone = asyncio.Event()
+        indices = [i for i, item in enumerate(refused) if item is None]
+        started = request.scope.get(ACCEPTED, time.monotonic())
+        metrics, calls = self.metrics, self.queue
+
+        async def lines() -> AsyncIterator[str]:
+            statuses: dict[str, int] = {}
+            ended: asyncio.Queue[tuple[int, ExecResult]] = asyncio.Queue()
+            metrics.in_flight.inc(len(valid))
+            left = len(valid)
+            submitted = asyncio.ensure_future(calls.submit(
+                valid, gone, started, lambda i, result: ended.put_nowait((indices[i], result))))
+            answered: set[int] = set()
+
+            def failed(task: asyncio.Future[list[ExecResult]]) -> None:
+                # submit never raises for one bad call; if it fails as a whole, answer what is left.
+                exc = None if task.cancelled() else task.exception()
+                if exc is not None:
+                    logger.error("a streamed batch failed: %r", exc)
+                    for i in indices:
+                        if i not in answered:
+                            ended.put_nowait((i, ExecResult(status=Status.internal_error, started=True,
+                                                            message=f"the service failed on this call: {exc!r}")))
+
+            submitted.add_done_callback(failed)
+            try:
+                # At once: the client learns its calls are taken (headers alone may wait for a body).
+                yield f'{{"accepted":{len(refused)}}}\n'
+                for i, item in enumerate(refused):
+                    if item is not None:
+                        yield f'{{"i":{i},"result":{encode(item)}}}\n'
+                while left:
+                    i, result = await ended.get()
+                    if i in answered:
+                        continue
+                    answered.add(i)
+                    left -= 1
+                    metrics.in_flight.dec()
+                    metrics.observe([result])
+                    statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
+                    yield f'{{"i":{i},"result":{encode(result)}}}\n'
+            finally:
+                gone.set()  # the client hung up (or all is sent): unstarted calls are cancelled
+                metrics.in_flight.dec(left)
+                logger.info("stream", extra={"event": "stream", "calls": len(refused), "statuses": statuses,
+                                             "ms": round(1000 * (time.monotonic() - started), 2)})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")

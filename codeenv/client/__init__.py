@@ -15,7 +15,7 @@ from codeenv.client._async import AsyncClient, Recorder
 from codeenv.client._sync import Client
 from codeenv.client.errors import ClientClosed, ClientError, RequestRejected, ServerError, TransportError
 from codeenv.client.feedback import format_feedback, neutralize, truncate_middle
-from codeenv.models import ErrorInfo, ExecRequest, ExecResult, Status
+from codeenv.models import ErrorInfo, ExecRequest, ExecResult, JudgeResult, Status
 
 __all__ = [
     "AsyncClient",
@@ -25,6 +25,7 @@ __all__ = [
     "ErrorInfo",
     "ExecRequest",
     "ExecResult",
+    "JudgeResult",
     "Recorder",
     "RequestRejected",
     "ServerError",

@@ -8,14 +8,14 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
 
 
 class Recorder(Protocol):
@@ -147,6 +147,19 @@ class AsyncClient:
             ledger.record(result)
         return result
 
+    async def judge(self, code: str, tests: Sequence[Mapping[str, Any]], *, fn_name: str | None = None,
+                    compare: str = "lines", float_tol: float = 1e-6, stop_on_failure: bool = False,
+                    limits: Mapping[str, Any] | None = None, total_wall_s: float | None = None,
+                    id: str | None = None, deadline_s: float | None = None, language: str = "python") -> JudgeResult:
+        """Run a submission against a problem's tests in one call (micro-batched like run()); see
+        /v1/judge. `tests`: {"stdin", "expected_stdout"} each, or {"args", "expected"} with `fn_name`.
+        A bad request raises pydantic's ValidationError here, or comes back `rejected`."""
+        request = JudgeRequest.model_validate({
+            "code": code, "language": language, "tests": list(tests), "fn_name": fn_name, "compare": compare,
+            "float_tol": float_tol, "stop_on_failure": stop_on_failure, "limits": dict(limits or {}),
+            "total_wall_s": total_wall_s, "id": id or uuid.uuid4().hex, "deadline_s": deadline_s})
+        return JudgeResult.from_call(await self.submit(request.to_call()))
+
     async def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
         """Run many programs concurrently; results in the same order. Items may be code strings,
         ExecRequests, or dicts of ExecRequest's fields."""
@@ -223,7 +236,7 @@ class AsyncClient:
                     update={"deadline_s": remaining})
                 payload.append(request.model_dump_json(exclude_defaults=True))
                 sendable.append(item)
-                wall = item.request.limits.wall_s or self.default_wall_s
+                wall = _wall_s(item.request, self.default_wall_s)
                 wait_budget = max(wait_budget, (self.timeout_s if remaining is None else remaining) + wall)
             if not sendable:
                 return
@@ -350,6 +363,15 @@ class AsyncClient:
 
         handle = loop.call_later(delay, again)
         self._retrying[handle] = item
+
+
+def _wall_s(request: ExecRequest, default: float) -> float:
+    """How long a call may run once started (a judged one: all its tests)."""
+    limits, judge = request.limits, request.judge
+    if judge is None:
+        return limits.wall_s or default
+    per_test = limits.wall_s or 3 * (limits.cpu_s or default) + 1
+    return judge.total_wall_s or len(judge.tests) * (per_test + 1)
 
 
 def _resolve(item: _Item, result: ExecResult) -> None:

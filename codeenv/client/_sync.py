@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from codeenv.client._async import AsyncClient, Recorder
-from codeenv.models import ExecRequest, ExecResult
+from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
 
 class Client:
@@ -40,6 +40,10 @@ class Client:
             fetch_files: Iterable[str] | None = None, ledger: Recorder | None = None) -> ExecResult:
         return self._call(self._client.run(code, stdin=stdin, limits=limits, id=id, profile=profile,
                                            deadline_s=deadline_s, files=files, fetch_files=fetch_files, ledger=ledger))
+
+    def judge(self, code: str, tests: Sequence[Mapping[str, Any]], **options: Any) -> JudgeResult:
+        """AsyncClient.judge, blocking."""
+        return self._call(self._client.judge(code, tests, **options))
 
     def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
         return self._call(self._client.run_many(list(requests)))

@@ -1,4 +1,4 @@
-"""RL helpers fed by codeenv's structured tool results: GRPO-RoC down-sampling and GRPO advantages.
+"""RL helpers fed by codeenv's structured results: GRPO-RoC down-sampling, GRPO advantages, code rewards.
 
 Pure Python and numpy: no torch, no server. See ``roc.py`` for the algorithm and its knobs.
 
@@ -13,6 +13,7 @@ Usage::
     advantages = grpo_advantages([group_of_2G[i].reward for i in keep])
 """
 
+from codeenv.rl.rewards import code_reward, is_service_fault
 from codeenv.rl.roc import Rollout, ToolLedger, grpo_advantages, resample_on_correct
 
-__all__ = ["Rollout", "ToolLedger", "grpo_advantages", "resample_on_correct"]
+__all__ = ["Rollout", "ToolLedger", "code_reward", "grpo_advantages", "is_service_fault", "resample_on_correct"]

@@ -45,6 +45,8 @@ SUPERVISOR_LEAF = "codeenv-supervisor"
 #: Controllers a jail cannot go without, and the one it can (calls then run without a CPU cap).
 REQUIRED_CONTROLLERS = ("memory", "pids")
 OPTIONAL_CONTROLLERS = ("cpu",)
+#: v1: the hierarchy that measures a jail's CPU time (judged tests' CPU limits); v2 has cpu.stat always.
+V1_ACCOUNTING = "cpuacct"
 V2_HINT = "docker: --cgroupns=private, systemd: Delegate=yes"
 #: Docker mounts /sys/fs/cgroup read-only in a container that is not --privileged.
 V2_WRITE_HINT = "docker: --cgroupns=private with /sys/fs/cgroup read-write, e.g. --privileged; systemd: Delegate=yes"
@@ -283,6 +285,9 @@ class JailCgroup(Protocol):
     def set_pids_max(self, count: int) -> None: ...
     def set_socket_memory_limit(self, limit_bytes: int) -> bool: ...
     def memory_usage(self) -> int: ...
+    def cpu_usage_ns(self) -> int | None:
+        """CPU time used by the group's processes so far, in ns (None without CPU accounting)."""
+        ...
     def reset_peak(self) -> None: ...
     def memory_peak(self) -> int | None: ...
     def oom_kills(self) -> int: ...
@@ -328,19 +333,22 @@ def _rmdir_when_empty(path: Path, timeout_s: float = 2.0) -> None:
 class V1Cgroup:
     """A jail's group in the v1 ``memory`` and ``pids`` hierarchies."""
 
-    def __init__(self, name: str, memory: Path, pids: Path, cpu: Path | None = None) -> None:
+    def __init__(self, name: str, memory: Path, pids: Path, cpu: Path | None = None,
+                 cpuacct: Path | None = None) -> None:
         self.name = name
         self.memory = memory
         self.pids = pids
         self.cpu = cpu
-        for d in (memory, pids, cpu):
+        self.cpuacct = cpuacct if cpuacct is None or cpu is None or cpuacct.resolve() != cpu.resolve() else None
+        self._usage_dir = cpu if cpuacct is not None and self.cpuacct is None else cpuacct
+        for d in (memory, pids, cpu, self.cpuacct):
             if d is not None:
                 d.mkdir(exist_ok=True)
         self._memsw = (memory / "memory.memsw.limit_in_bytes").exists()
         self._files = _ControlFiles()
 
     def procs_files(self) -> list[Path]:
-        dirs = [self.memory, self.pids] + ([self.cpu] if self.cpu else [])
+        dirs = [self.memory, self.pids] + [d for d in (self.cpu, self.cpuacct) if d is not None]
         return [d / "cgroup.procs" for d in dirs]
 
     def set_cpu_limit(self, cpus: float) -> None:
@@ -382,6 +390,11 @@ class V1Cgroup:
     def memory_usage(self) -> int:
         return _parse_int(self._files.read(self.memory, "memory.usage_in_bytes"))
 
+    def cpu_usage_ns(self) -> int | None:
+        if self._usage_dir is None:
+            return None
+        return _parse_int(self._files.read(self._usage_dir, "cpuacct.usage"))
+
     def reset_peak(self) -> None:
         self._files.write(self.memory, "memory.max_usage_in_bytes", "0")
 
@@ -409,7 +422,7 @@ class V1Cgroup:
     def remove(self) -> None:
         _kill_procs(self)
         self._files.close()
-        for d in (self.memory, self.pids, self.cpu):
+        for d in (self.memory, self.pids, self.cpu, self.cpuacct):
             if d is not None:
                 _rmdir_when_empty(d)
 
@@ -461,6 +474,9 @@ class V2Cgroup:
 
     def memory_usage(self) -> int:
         return _parse_int(self._files.read(self.path, "memory.current"))
+
+    def cpu_usage_ns(self) -> int | None:
+        return _parse_keyed(self._files.read(self.path, "cpu.stat")).get("usage_usec", 0) * 1000
 
     def reset_peak(self) -> None:
         if self._peak_fd is not None:
@@ -526,12 +542,14 @@ class CgroupTree:
         bases = {name: layout.own_dir(name) / tag for name in REQUIRED_CONTROLLERS}
         if "cpu" in layout.own and (layout.mount("cpu") / "cpu.cfs_quota_us").exists():
             bases["cpu"] = layout.own_dir("cpu") / tag
+        if V1_ACCOUNTING in layout.own and (layout.mount(V1_ACCOUNTING) / "cpuacct.usage").exists():
+            bases[V1_ACCOUNTING] = layout.own_dir(V1_ACCOUNTING) / tag
         for name, base in list(bases.items()):
             try:
                 fs.mkdir(base)
             except OSError as exc:
-                if name in OPTIONAL_CONTROLLERS:
-                    logger.warning("cgroup v1: cannot create %s (%s); calls run without a %s cap", base, exc, name)
+                if name in (*OPTIONAL_CONTROLLERS, V1_ACCOUNTING):
+                    logger.warning("cgroup v1: cannot create %s (%s); calls run without %s", base, exc, name)
                     del bases[name]
                     continue
                 raise SandboxError(
@@ -571,7 +589,8 @@ class CgroupTree:
     def group(self, name: str) -> JailCgroup:
         if self.version == 1:
             cpu = self.bases["cpu"] / name if "cpu" in self.bases else None
-            return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name, cpu)
+            cpuacct = self.bases["cpuacct"] / name if "cpuacct" in self.bases else None
+            return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name, cpu, cpuacct)
         return V2Cgroup(name, self.bases["unified"] / name)
 
     def remove(self) -> None:

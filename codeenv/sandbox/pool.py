@@ -27,9 +27,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from codeenv.admission import admit, decoded_files
+from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
-from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
+from codeenv.judge import judge
+from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
@@ -276,8 +277,12 @@ class SlotPool:
     def resolve(self, request: ExecRequest) -> tuple[bytes, bytes, LimitValues, Profile]:
         """Validate a request against the server's caps; raise InvalidRequest saying what to fix."""
         assert self.image is not None
-        admitted = admit(request, self.settings)
-        code, stdin, limits = admitted.code, admitted.stdin, admitted.limits
+        if request.judge is not None:
+            limits, _ = judge_limits(request, self.settings)
+            code, stdin = request.code.encode(), b""
+        else:
+            admitted = admit(request, self.settings)
+            code, stdin, limits = admitted.code, admitted.stdin, admitted.limits
         if request.profile is not None:
             try:
                 profile = self.image.profile(request.profile)
@@ -340,7 +345,11 @@ class SlotPool:
                     # Always pre-fork the next child: a child forked on demand must wait for the
                     # worker to raise its OOM score (a round trip per call), which costs more at
                     # saturation than handing the call to a spare (measured: benchmarks/README.md).
-                    outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch)
+                    if request.judge is not None:
+                        judged, problem = await self._judge(slot, zygote, code, request, limits)
+                    else:
+                        judged = None
+                        outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch)
             except _DeadlinePassed:
                 zygote.busy = False  # nothing ran: the slot goes back as it is
                 if self._open:
@@ -367,6 +376,10 @@ class SlotPool:
             except BaseException:
                 self._release(slot, zygote, "the call was cancelled")
                 raise
+            if judged is not None:  # its jail is checked already
+                self._release_checked(slot, zygote, problem)
+                return self._finish(request, self._judged(judged, time.monotonic() - queued - queue_s), slot,
+                                    profile, queue_s)
             result = classify(outcome, limits)
             if fetch is not None:
                 result.files = {p: base64.b64encode(d).decode() for p, d in (outcome.fetched or {}).items()}
@@ -378,6 +391,35 @@ class SlotPool:
         return self._finish(request, ExecResult(
             status=Status.internal_error, started=False,
             message=f"no slot could start the call after {MAX_DISPATCH} attempts"), None, profile, 0.0)
+
+    async def _judge(self, slot: Slot, zygote: ZygoteProcess, code: bytes, request: ExecRequest,
+                     limits: LimitValues) -> tuple[JudgeOutcome, str | None]:
+        """Judge a submission in this slot: its tests one by one, the submission prepared once
+        (again only after a test that ended its process). Returns why the jail must be recycled."""
+        assert request.judge is not None
+        _, total_wall_s = judge_limits(request, self.settings)
+
+        async def restart(reason: str) -> ZygoteProcess:
+            await slot.recycle(zygote, reason)
+            return zygote
+
+        return await judge(zygote, code, request.judge, limits, total_wall_s, restart)
+
+    @staticmethod
+    def _judged(judged: JudgeOutcome, wall_s: float) -> ExecResult:
+        return ExecResult(status=Status.ok, started=True, judge=judged, wall_s=round(wall_s, 6),
+                          cpu_s=round(sum(t.cpu_s for t in judged.tests), 6))
+
+    def _release_checked(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+        """Return a slot whose jail was checked already (None), or recycle it first."""
+        if problem is None:
+            zygote.busy = False
+            if self._open:
+                self._free.release(slot)
+            return
+        task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _finish(self, request: ExecRequest, result: ExecResult, slot: Slot | None, profile: Profile,
                 queue_s: float) -> ExecResult:

@@ -65,7 +65,18 @@ class CallFd:
 
     CODE, STDIN, STDOUT, STDERR, REPORT, SETUP = range(6)
     FILES_IN, FETCH_LIST, FETCH_OUT = range(6, 9)  # only when the call has files in or out
-    COUNTS = (6, 9)  # a call sends one of these many fds
+    JUDGE = 6  # a judged call (see _judge_server): the socket of the worker's judge channel
+    COUNTS = (6, 7, 9)  # a call sends one of these many fds
+
+    @staticmethod
+    def fits(msg, count):
+        """Whether `count` fds is what a call like `msg` sends."""
+        return count == 7 if msg.get("judge") in JUDGE_SERVED else count in (6, 9)
+
+
+#: Judged calls served by a submission's process (a judge channel); "function_single" is one
+#: function-call test run as a plain call (its arguments in the stdin memfd, its value reported).
+JUDGE_SERVED = ("stdin", "function", "function_inline")
 
 
 def frame(obj: object, limit: int | None = None) -> bytes:
@@ -88,7 +99,10 @@ def unframe(buf: bytes, limit: int) -> tuple[object, int]:
 
 def read_frame(fd: int, limit: int) -> object:
     """The object of the frame at the start of the memfd `fd` (ValueError if there is none)."""
-    return unframe(os.pread(fd, limit, 0), limit)[0]
+    size = int.from_bytes(os.pread(fd, 4, 0), "little")
+    if not 0 < size <= limit - 4:
+        raise ValueError(f"no frame of at most {limit} bytes")
+    return unframe(os.pread(fd, 4 + size, 0), limit)[0]
 
 
 FILENAME = "main.py"
@@ -382,10 +396,14 @@ def _spare(sock):
             _hard_exit(SETUP_FAILED)
         msg = json.loads(data)
         sock.close()
+        if not CallFd.fits(msg, len(fds)):
+            raise ValueError(f"{len(fds)} fds do not fit the call")
     except BaseException as exc:
         if len(fds) in CallFd.COUNTS:
             _report_setup_error(fds[CallFd.SETUP], exc)
         _hard_exit(SETUP_FAILED)
+    if msg.get("judge"):
+        _judge_server(fds, msg, main)
     _child(fds, msg, main)
 
 
@@ -512,12 +530,16 @@ def _child(fds, limits, main=None):
     code_fd, stdin_fd, out_fd, err_fd = fds[CallFd.CODE], fds[CallFd.STDIN], fds[CallFd.STDOUT], fds[CallFd.STDERR]
     report_fd, setup_fd = fds[CallFd.REPORT], fds[CallFd.SETUP]
     report = None
+    fn_name = args = None
     try:
         if main is None:
             main = _prepare()
-        report = mmap.mmap(report_fd, REPORT_BYTES)
+        report = mmap.mmap(report_fd, os.fstat(report_fd).st_size)
         size = os.fstat(code_fd).st_size
         code = os.pread(code_fd, size, 0) if size else b""
+        if limits.get("judge") == "function_single":
+            fn_name, args = limits["fn_name"], json.loads(_read_all(stdin_fd) or b"[]")
+            stdin_fd = os.open("/dev/null", os.O_RDONLY)  # a function-call test has no input
         if len(fds) > CallFd.FILES_IN:
             _write_files(fds[CallFd.FILES_IN])
         os.dup2(stdin_fd, 0)
@@ -544,6 +566,8 @@ def _child(fds, limits, main=None):
     status = 0
     try:
         exec(compile(code, FILENAME, "exec", dont_inherit=True), main.__dict__)
+        if fn_name is not None:
+            _report_value(report, _call_function(main.__dict__, fn_name, args))
     except SystemExit as exc:
         status = _exit_code(exc)
     except BaseException as exc:
@@ -564,6 +588,244 @@ def _child(fds, limits, main=None):
         except BaseException:
             pass
     _hard_exit(_finalize(status))
+
+
+# --- a judged call: one process per submission, one child per test -----------------------------
+
+
+def _keep_only(keep):
+    """Close every fd but those in `keep`."""
+    low = 0
+    for fd in sorted(keep):
+        if fd > low:  # os.closerange(0, 0) would close every fd (close_range(0, -1))
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+def _set_child_subreaper():
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _shareable():
+    """Why the state after a submission's top-level code cannot be shared by forking (None if it can):
+    a fork keeps neither threads nor children, and each test must find the work dir as it was."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threads = sys.modules["threading"].active_count() if "threading" in sys.modules else 1
+    if threads > 1:
+        return "its top-level code left threads running"
+    try:
+        if os.waitpid(-1, os.WNOHANG) is not None:
+            return "its top-level code left processes running"
+    except ChildProcessError:
+        pass
+    if not _untouched(_baseline):
+        return "its top-level code changed the work dir"
+    return None
+
+
+def _call_function(namespace, fn_name, args):
+    """fn_name(*args): a method of a LeetCode-style `class Solution`, or a plain function."""
+    solution = namespace.get("Solution")
+    if isinstance(solution, type) and hasattr(solution, fn_name):
+        return getattr(solution(), fn_name)(*args)
+    fn = namespace.get(fn_name)
+    if fn is None:
+        raise NameError(f"name {fn_name!r} is not defined")
+    return fn(*args)
+
+
+def _report_value(report, value):
+    try:
+        data = frame({"value": value})
+    except (TypeError, ValueError, RecursionError):
+        try:
+            text = repr(value)[:4000]
+        except BaseException:
+            text = "<repr() failed>"
+        data = frame({"unserializable": text})
+    if len(data) > len(report):
+        data = frame({"too_large": len(data)})
+    report[: len(data)] = data
+
+
+def _test_child(fds, msg, main, compiled, mode, fn_name):
+    """One test, forked from the submission's process; never returns."""
+    import mmap
+
+    setup_fd = fds[CallFd.SETUP]
+    try:
+        report = mmap.mmap(fds[CallFd.REPORT], os.fstat(fds[CallFd.REPORT]).st_size)
+        args = None
+        if mode != "stdin":
+            args = json.loads(_read_all(fds[CallFd.CODE]) or b"[]")
+        os.dup2(fds[CallFd.STDIN], 0)
+        os.dup2(fds[CallFd.STDOUT], 1)
+        os.dup2(fds[CallFd.STDERR], 2)
+        _keep_only({0, 1, 2, setup_fd})
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]  # the submission's process's: no higher
+        resource.setrlimit(resource.RLIMIT_CPU, (min(msg["cpu_s"], hard), hard))
+        del fds
+        os.close(setup_fd)
+    except BaseException as exc:
+        _report_setup_error(setup_fd, exc)
+        _hard_exit(SETUP_FAILED)
+    status = 0
+    try:
+        if mode != "function":  # stdin tests, or function tests that cannot share a prepared state
+            exec(compiled, main.__dict__)
+        if mode != "stdin":
+            _report_value(report, _call_function(main.__dict__, fn_name, args))
+    except SystemExit as exc:
+        status = _exit_code(exc)
+    except BaseException as exc:
+        status = 1
+        try:
+            _write_report(report, {"error": _exception_report(exc)})
+        except BaseException:
+            pass
+        try:
+            import traceback
+
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            traceback.print_exception(type(exc), exc.with_traceback(tb), tb, file=sys.stderr)
+        except BaseException:
+            pass
+    _hard_exit(_finalize(status))
+
+
+def _serve_tests(sock, main, compiled, mode, fn_name):
+    """Fork a child per test the worker sends; answer "done" once every process of it is gone and
+    the work dir is as it was (never returns)."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
+        except OSError:
+            _hard_exit(0)
+        if not data:
+            _hard_exit(0)  # the worker is done with this submission
+        msg = json.loads(data)
+        if msg.get("op") != "test" or len(fds) != 6:
+            for fd in fds:
+                os.close(fd)
+            continue
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                _test_child(fds, msg, main, compiled, mode, fn_name)
+            finally:
+                _hard_exit(SETUP_FAILED)
+        for fd in fds:
+            os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
+        deadline = t0 + msg["wall_s"]
+        timed_out = killed = ended = False
+        while not ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            for fd, _ in poller.poll(max(1, int(remaining * 1000 + 0.999))):
+                if fd == pidfd:
+                    ended = True
+                elif fd == sock.fileno():
+                    data = sock.recv(MAX_MSG)
+                    if not data:
+                        _hard_exit(0)
+                    if json.loads(data).get("op") == "kill":
+                        killed = True
+                        os.kill(-1, signal.SIGKILL)
+        wall = time.monotonic() - t0
+        if not ended:
+            os.kill(-1, signal.SIGKILL)
+        _, status, usage = os.wait4(pid, 0)
+        os.close(pidfd)
+        _kill_everything()  # what the test left behind (orphans come to us: we are their subreaper)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        clean = _clean(_baseline, _config["cleanup_timeout_s"])
+        _reset_workdir_times()
+        _send(sock, {"op": "done", "i": msg.get("i"), "wait_status": status, "wall_s": wall,
+                     "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+                     "maxrss_kb": usage.ru_maxrss, "timed_out": timed_out, "killed": killed, "clean": clean})
+
+
+def _judge_server(fds, msg, main):
+    """A judged call's child: the submission's process. It compiles the code once (for function-call
+    tests it also runs its top-level code once), then forks one child per test (never returns).
+
+    The worker's judge channel (fd JUDGE, SOCK_SEQPACKET) carries:
+
+        us -> worker  {"op": "prepared", "cpu_s"}                  ready for tests
+                      {"op": "prepared", "compile_error", "stderr"} the code does not compile
+                      {"op": "prepared", "unshared": why}           function tests whose top-level state
+                                                                    a fork cannot keep: the worker asks
+                                                                    again with judge=function_inline
+        worker -> us  {"op": "test", "i", "cpu_s", "wall_s"} + 6 fds (as a call's; CODE holds the args)
+        worker -> us  {"op": "kill"}                               stop the running test
+        us -> worker  {"op": "done", "i", "wait_status", "wall_s", "cpu_s", "maxrss_kb", ...}
+
+    With function-call tests this process has run the submission's code: the worker believes nothing
+    it says beyond what a program could say about itself, and measures and enforces limits from outside.
+    """
+    mode, fn_name = msg["judge"], msg.get("fn_name")
+    setup_fd = fds[CallFd.SETUP]
+    try:
+        if main is None:
+            main = _prepare()
+        code = _read_all(fds[CallFd.CODE])
+        os.dup2(fds[CallFd.STDIN], 0)
+        os.dup2(fds[CallFd.STDOUT], 1)
+        os.dup2(fds[CallFd.STDERR], 2)
+        sock_fd = fds[CallFd.JUDGE]
+        _keep_only({0, 1, 2, setup_fd, sock_fd})
+        cpu = msg["cpu_s"]
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 2))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (msg["fsize_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (msg["nofile"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        _set_child_subreaper()
+        import linecache
+
+        source = code.decode("utf-8", "replace")
+        linecache.cache[FILENAME] = (len(source), None, source.splitlines(True), FILENAME)
+        sock = socket.socket(fileno=sock_fd)
+        del fds
+        os.close(setup_fd)
+    except BaseException as exc:
+        _report_setup_error(setup_fd, exc)
+        _hard_exit(SETUP_FAILED)
+    try:
+        compiled = compile(code, FILENAME, "exec", dont_inherit=True)
+    except BaseException as exc:  # SyntaxError, a NUL byte, too deep to compile, out of memory
+        import traceback
+
+        text = "".join(traceback.format_exception_only(type(exc), exc))
+        _send(sock, {"op": "prepared", "compile_error": _exception_report(exc), "stderr": text[-8000:]})
+        _hard_exit(0)
+    if mode == "function":
+        why = None
+        try:
+            exec(compiled, main.__dict__)
+        except BaseException:  # every test fails the same way: each runs the top-level code itself
+            why = "its top-level code failed"
+        why = why or _shareable()
+        if why is not None:
+            _send(sock, {"op": "prepared", "unshared": why})
+            _hard_exit(0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _send(sock, {"op": "prepared", "cpu_s": usage.ru_utime + usage.ru_stime})
+    _serve_tests(sock, main, compiled, mode, fn_name)
 
 
 # --- the zygote --------------------------------------------------------------------------------
@@ -653,6 +915,7 @@ def _in_child(name, work, timeout_s):
 
 
 _workdir_times = None
+_baseline = None
 
 
 def _reset_workdir_times():
@@ -736,7 +999,7 @@ def _await_go(ctl, seq):
 
 def _run(ctl, data, msg, fds, baseline):
     seq = msg["seq"]
-    if len(fds) not in CallFd.COUNTS:
+    if not CallFd.fits(msg, len(fds)):
         for fd in fds:
             os.close(fd)
         _send(ctl, {"op": "exited", "seq": seq, "refused": f"expected {CallFd.COUNTS} fds, got {len(fds)}"})
@@ -767,6 +1030,8 @@ def _run(ctl, data, msg, fds, baseline):
                 if os.read(go_r, 1) != b"g":  # not before the worker has raised its OOM score
                     _hard_exit(SETUP_FAILED)
                 os.close(go_r)
+                if msg.get("judge"):
+                    _judge_server(fds, msg, None)
                 _child(fds, msg)
             finally:
                 _hard_exit(SETUP_FAILED)  # _child never returns, even if the program patched os._exit
@@ -856,8 +1121,8 @@ def main():
     huge = _compact_heap()
     gc.freeze()
     _deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
-    baseline = _workdir_usage()
-    global _workdir_times
+    global _baseline, _workdir_times
+    baseline = _baseline = _workdir_usage()
     st = os.stat(_config["workdir"])
     _workdir_times = (st.st_atime_ns, st.st_mtime_ns)
     _make_spare()

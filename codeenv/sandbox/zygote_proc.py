@@ -241,7 +241,7 @@ class _CallFiles:
     report and setup memfds, and the fetched-files memfd. Everything is closed on every path out."""
 
     def __init__(self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]] | None,
-                 fetch: list[str] | None, fetch_bytes: int) -> None:
+                 fetch: list[str] | None, fetch_bytes: int, report_bytes: int = REPORT_BYTES) -> None:
         self.theirs: list[int] = []
         self._ours: list[int] = []
         self._drains: list[_Drain] = []
@@ -249,7 +249,7 @@ class _CallFiles:
         try:
             self.theirs += [_sealed_memfd("code", code), _sealed_memfd("stdin", stdin)]
             self.stdout, self.stderr = (self._pipe() for _ in range(2))
-            self.report, self.setup = (self._memfd(name, REPORT_BYTES) for name in ("report", "setup"))
+            self.report, self.setup = self._memfd("report", report_bytes), self._memfd("setup", REPORT_BYTES)
             if files or fetch:
                 self.theirs += [_sealed_memfd("files", _pack_files(files or [])),
                                 _sealed_memfd("fetch", json.dumps(fetch or []).encode())]
@@ -570,13 +570,13 @@ class ZygoteProcess:
 
     # --- one call -------------------------------------------------------------------------------
 
-    def _apply_limits(self, limits: LimitValues) -> int:
+    def _apply_limits(self, limits: LimitValues, extra_pids: int = 0) -> int:
         """Set the call's memory and pids caps; return the memory in use before it starts."""
         limit = self.baseline_memory + (limits.memory_mb << 20)
         if limit != self._memory_limit:
             self.cgroup.set_memory_limit(limit)
             self._memory_limit = limit
-        pids_max = self.baseline_pids + limits.processes
+        pids_max = self.baseline_pids + limits.processes + extra_pids
         if pids_max != self._pids_max:
             self.cgroup.set_pids_max(pids_max)
             self._pids_max = pids_max
@@ -584,11 +584,14 @@ class ZygoteProcess:
         return self.cgroup.memory_usage()
 
     async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True,
-                  files: list[tuple[str, bytes]] | None = None, fetch: list[str] | None = None) -> Outcome:
+                  files: list[tuple[str, bytes]] | None = None, fetch: list[str] | None = None,
+                  call_function: str | None = None, report_bytes: int = REPORT_BYTES) -> Outcome:
         """Run one call. Raises ZygoteDied(started=False) only if it provably never started.
 
         `files` are written into the work dir before the program runs (by the child), `fetch`
         names files read back after it ends (by a collector child), both inside the jail.
+        With `call_function`, the program's top-level code is followed by a call of that function
+        (or method of class Solution) with the JSON arguments in `stdin`; its value is reported.
         """
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
@@ -608,12 +611,16 @@ class ZygoteProcess:
                     self._send({"op": "kill", "seq": seq})
 
         self._raise_oom_scores()  # the spare child that will run the call
-        with _CallFiles(code, stdin, files, fetch, FETCH_DATA_AT + self.settings.max_fetch_bytes) as call:
+        with _CallFiles(code, stdin, files, fetch, FETCH_DATA_AT + self.settings.max_fetch_bytes,
+                        report_bytes) as call:
             try:
-                self._send({"op": "run", "seq": seq, "wall_s": limits.wall_s,
-                            "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
-                            "nofile": limits.open_files, "spare": prefork_next and self.settings.prefork,
-                            "fetch": bool(fetch)}, call.theirs)
+                msg: dict[str, Any] = {
+                    "op": "run", "seq": seq, "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
+                    "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files,
+                    "spare": prefork_next and self.settings.prefork, "fetch": bool(fetch)}
+                if call_function is not None:
+                    msg.update(judge="function_single", fn_name=call_function)
+                self._send(msg, call.theirs)
             finally:
                 call.close_theirs()
             t0 = time.monotonic()
@@ -625,8 +632,8 @@ class ZygoteProcess:
                 await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
             out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
-            out.report = self._read_report(call.report)
-            setup = self._read_report(call.setup)
+            out.report = _read_report(call.report, report_bytes)
+            setup = _read_report(call.setup, REPORT_BYTES)
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
             if fetch and call.fetched is not None and out.exited is not None:
@@ -641,6 +648,52 @@ class ZygoteProcess:
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
         return out
+
+    async def prepare(self, code: bytes, mode: str, fn_name: str | None, limits: LimitValues,
+                      total_wall_s: float) -> Submission:
+        """Start a judged call: a process in the jail compiles `code` (for function-call tests, also
+        runs its top-level code) and then runs the tests sent to the returned Submission, one child
+        each. `limits` are per test; the preparation counts against each. Raises ZygoteDied
+        (started=False) only if it provably never started."""
+        if self.dead:
+            raise ZygoteDied(f"zygote {self.name} is not running", started=False)
+        self._seq += 1
+        seq = self._seq
+        usage0 = self._apply_limits(limits, extra_pids=1)  # the submission's process itself
+        self._events = None
+        cpu0 = self.cgroup.cpu_usage_ns()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        ours.setblocking(False)
+        self._raise_oom_scores()
+        call = _CallFiles(code, b"", None, None, 0)
+        call.theirs.append(theirs.detach())
+        sub = Submission(self, seq, ours, call, limits, total_wall_s, usage0)
+        try:
+            try:
+                self._send({"op": "run", "seq": seq, "wall_s": total_wall_s,
+                            "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
+                            "nofile": limits.open_files, "spare": self.settings.prefork, "fetch": False,
+                            "judge": mode, "fn_name": fn_name}, call.theirs)
+            finally:
+                call.close_theirs()
+            sub.drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, lambda: None)
+            data, why = await sub.receive(limits.wall_s, int(limits.cpu_s * 1e9), cpu0)
+            cpu1 = self.cgroup.cpu_usage_ns()
+            msg = _message(data) if data else None
+            if msg is None or msg.get("op") != "prepared":
+                sub.lost = why or "the submission's process ended while it was being prepared"
+                await sub.stop_test()
+            else:
+                sub.prepared = msg
+                reported = msg.get("cpu_s")
+                if cpu0 is not None and cpu1 is not None:
+                    sub.prep_cpu_s = (cpu1 - cpu0) / 1e9
+                elif isinstance(reported, int | float) and not isinstance(reported, bool):
+                    sub.prep_cpu_s = max(0.0, float(reported))
+        except BaseException:
+            await sub.close()
+            raise
+        return sub
 
     async def _await_exit(self, out: Outcome, seq: int, setup_fd: int, wall_s: float) -> None:
         """Wait for the call's "exited" (the wall limit and slack for the fork and set-up); on a
@@ -668,14 +721,6 @@ class ZygoteProcess:
         out.exited = exited
         out.started = exited.refused is None
         self._ready = exited if exited.ready else None
-
-    @staticmethod
-    def _read_report(fd: int) -> dict[str, Any] | None:
-        try:
-            report = read_frame(fd, REPORT_BYTES)
-            return report if isinstance(report, dict) else None
-        except (OSError, ValueError, RecursionError):  # the program may have scribbled on it
-            return None
 
     @property
     def ready_now(self) -> bool:
@@ -746,3 +791,221 @@ class ZygoteProcess:
             return b""
         finally:
             os.close(fd)
+
+
+#: How often a judged test's CPU time is read from the cgroup (its limit is enforced within ~2x this).
+CPU_POLL_S = 0.02
+#: How long the submission's process has to stop a test it was asked to stop, before the jail does.
+STOP_WAIT_S = 0.5
+
+
+def _message(data: bytes) -> dict[str, Any] | None:
+    """A message from inside the jail, or None if it is not a JSON object."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+@dataclass
+class TestOutcome:
+    """What the worker observed of one judged test, before it is compared and classified."""
+
+    __test__ = False  # not a pytest test class
+
+    done: Exited | None = None  # the submission process's "done" for it (its own account)
+    stdout: bytes = b""
+    stderr: bytes = b""
+    output_overflow: bool = False
+    report: dict[str, Any] | None = None
+    report_bytes: int = 0
+    setup_error: str | None = None
+    oom_killed: bool = False
+    pids_limit_hit: bool = False
+    cpu_exceeded: bool = False  # stopped by the worker's CPU watchdog
+    wall_exceeded: bool = False  # the submission's process did not end it in time: the jail did
+    lost: str | None = None  # the submission's process ended during the test
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    memory_peak_kb: int | None = None
+
+
+class Submission:
+    """A submission prepared in a jail for its tests: the worker's end of the judge channel.
+
+    The process at the other end may run the submission's own code, so nothing it says decides a
+    limit: CPU time is read from the cgroup, wall time and OOM events are observed here.
+    """
+
+    def __init__(self, zygote: ZygoteProcess, seq: int, sock: socket.socket, call: _CallFiles,
+                 limits: LimitValues, total_wall_s: float, usage0: int) -> None:
+        self.zygote = zygote
+        self.seq = seq
+        self.sock = sock
+        self.call = call
+        self.limits = limits
+        self.total_wall_s = total_wall_s
+        self.usage0 = usage0
+        self.drains: list[_Drain] = []
+        self.prepared: dict[str, Any] | None = None
+        self.prep_cpu_s = 0.0
+        self.lost: str | None = None
+        self.outcome: Outcome | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.prepared is not None and self.lost is None and self.outcome is None
+
+    async def receive(self, wall_s: float, cpu_ns: int | None, cpu0: int | None) -> tuple[bytes, str | None]:
+        """The next message, or (b"", why) once the wall or CPU budget is spent or the channel closes."""
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[bytes] = loop.create_future()
+
+        def readable() -> None:
+            try:
+                data = self.sock.recv(MAX_MSG)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not got.done():
+                got.set_result(data)
+
+        deadline = time.monotonic() + wall_s
+        loop.add_reader(self.sock.fileno(), readable)
+        try:
+            while True:
+                step = min(CPU_POLL_S if cpu0 is not None else wall_s, deadline - time.monotonic())
+                if step <= 0:
+                    return b"", "wall"
+                await asyncio.wait([got], timeout=step)
+                if got.done():
+                    return got.result(), None
+                if cpu0 is not None and cpu_ns is not None:
+                    used = self.zygote.cgroup.cpu_usage_ns()
+                    if used is not None and used - cpu0 > cpu_ns:
+                        return b"", "cpu"
+        finally:
+            loop.remove_reader(self.sock.fileno())
+
+    async def stop_test(self) -> dict[str, Any] | None:
+        """Ask the submission's process to stop the running test; the jail stops it if it does not.
+        Its "done", if it came."""
+        with contextlib.suppress(OSError):
+            self.sock.send(b'{"op":"kill"}')
+        data, _ = await self.receive(STOP_WAIT_S, None, None)
+        msg = _message(data) if data else None
+        if msg is not None and msg.get("op") == "done":
+            return msg
+        self.lost = self.lost or "the submission's process did not stop the test"
+        with contextlib.suppress(ZygoteDied):
+            self.zygote._send({"op": "kill", "seq": self.seq})
+        return None
+
+    async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int) -> TestOutcome:
+        """Run one test in a fresh child of the prepared process; its limits are the call's, less
+        the preparation's CPU time."""
+        z, limits = self.zygote, self.limits
+        out = TestOutcome(report_bytes=report_bytes)
+        oom0, pids0 = z.cgroup.oom_kills(), z.cgroup.pids_limit_hits()
+        z.cgroup.reset_peak()
+        cpu0 = z.cgroup.cpu_usage_ns()
+        budget = max(0.001, limits.cpu_s - self.prep_cpu_s)
+        loop = asyncio.get_running_loop()
+        stopping = False
+
+        def overflow() -> None:
+            nonlocal stopping
+            out.output_overflow = stopping = True
+            with contextlib.suppress(OSError):
+                self.sock.send(b'{"op":"kill"}')
+
+        with _CallFiles(args, stdin, None, None, 0, report_bytes=report_bytes) as files:
+            try:
+                socket.send_fds(self.sock, [json.dumps({
+                    "op": "test", "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
+                }).encode()], files.theirs)
+            except OSError as exc:
+                self.lost = f"the submission's process is gone: {exc}"
+                out.lost = self.lost
+                return out
+            finally:
+                files.close_theirs()
+            t0 = time.monotonic()
+            drains = files.drain(loop, output_cap, overflow)
+            # The process ends the test at its wall limit; a little slack before the jail does it.
+            data, why = await self.receive(limits.wall_s + z.settings.kill_grace_s, int(budget * 1e9), cpu0)
+            msg = _message(data) if data else None
+            if why == "cpu":
+                out.cpu_exceeded = True
+                msg = await self.stop_test()
+            elif why == "wall":
+                out.wall_exceeded = True
+                msg = await self.stop_test()
+            elif msg is None or msg.get("op") != "done":
+                self.lost = "the submission's process ended during a test"
+                out.lost = self.lost
+                with contextlib.suppress(ZygoteDied):
+                    z._send({"op": "kill", "seq": self.seq})
+            out.wall_s = time.monotonic() - t0
+            if msg is not None and msg.get("op") == "done":
+                try:
+                    out.done = Exited.parse(msg)
+                except ValueError:
+                    self.lost = out.lost = "the submission's process sent a malformed message"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), z.settings.control_timeout_s)
+            out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
+            out.report = _read_report(files.report, report_bytes)
+            setup = _read_report(files.setup, REPORT_BYTES)
+            if setup is not None:
+                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+        with contextlib.suppress(OSError, ValueError):
+            out.oom_killed = z.cgroup.oom_kills() > oom0
+            out.pids_limit_hit = z.cgroup.pids_limit_hits() > pids0
+            cpu1 = z.cgroup.cpu_usage_ns()
+            own = out.done.cpu_s if out.done is not None else None
+            if own is None and cpu0 is not None and cpu1 is not None:
+                own = (cpu1 - cpu0) / 1e9
+            out.cpu_s = self.prep_cpu_s + (own or 0.0)
+            if out.cpu_exceeded:
+                out.cpu_s = max(out.cpu_s, limits.cpu_s)
+            peak = z.cgroup.memory_peak()
+            if peak is not None:
+                out.memory_peak_kb = max(0, peak - self.usage0) >> 10
+            elif out.done is not None:
+                out.memory_peak_kb = out.done.maxrss_kb
+        return out
+
+    async def close(self) -> Outcome:
+        """End the judged call: every process of it goes; the zygote then wipes as after any call."""
+        if self.outcome is not None:
+            return self.outcome
+        z = self.zygote
+        out = Outcome()
+        self.sock.close()
+        with contextlib.suppress(ZygoteDied):
+            z._send({"op": "kill", "seq": self.seq})
+        try:
+            await z._await_exit(out, self.seq, self.call.setup, STOP_WAIT_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(d.done for d in self.drains)), z.settings.control_timeout_s)
+            setup = _read_report(self.call.setup, REPORT_BYTES)
+            if setup is not None:
+                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+        finally:
+            self.call.close()
+            self.outcome = out
+        return out
+
+
+def _read_report(fd: int, limit: int) -> dict[str, Any] | None:
+    """The report frame at the start of the memfd `fd`, if it holds one (most calls leave it empty)."""
+    try:
+        if os.pread(fd, 4, 0) == b"\0\0\0\0":
+            return None
+        report = read_frame(fd, limit)
+        return report if isinstance(report, dict) else None
+    except (OSError, ValueError, RecursionError):  # the program may have scribbled on it
+        return None
