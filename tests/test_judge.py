@@ -16,7 +16,7 @@ from codeenv import SlotPool
 from codeenv.admission import judge_call
 from codeenv.api import create_app
 from codeenv.client import AsyncClient
-from codeenv.judge import same_output, same_value
+from codeenv.compare import same_output, same_value
 from codeenv.models import Compare, JudgeRequest, JudgeResult, JudgeStatus
 from codeenv.rl import code_reward, is_service_fault
 from codeenv.settings import GatewaySettings

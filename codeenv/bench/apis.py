@@ -5,19 +5,28 @@ through codeenv's own client library instead, which batches the calls in flight)
 an `Outcome`: how the call ended (the same words for every API), its stdout, and the queue wait
 and run time where the API reports them (codeenv reports both; code-judge and SandboxFusion only
 the run time, so their overhead figure includes queueing).
+
+A code workload's submission (a call with tests) goes to ``judge`` as one /v1/judge request; every
+other API sends its tests as concurrent requests of their own and compares the outputs here, as
+the reward functions of verl and SkyRL do. Both answer ``ok`` with the stdout ``PASSED/TOTAL``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from codeenv.bench.workload import Call
+from codeenv.bench.workload import Call, Test
+from codeenv.compare import same_output
 from codeenv.errors import BenchError
+from codeenv.models import Compare
 
-APIS = ("codeenv", "codeenv-client", "code-judge", "sandbox-fusion")
+APIS = ("codeenv", "codeenv-client", "judge", "code-judge", "sandbox-fusion")
+#: A code workload's comparison of a test's output with the expected one.
+CODE_COMPARE = Compare.lines
 #: Outcomes where the service did not run the call: counted as errors, never as answers.
 SERVICE_ERRORS = ("http_error", "internal_error", "overloaded", "rejected")
 
@@ -57,6 +66,23 @@ class Api:
         raise NotImplementedError
 
     async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
+        if call.tests is not None:
+            return await self._tests(client, call)
+        return await self._one(client, call)
+
+    async def _tests(self, client: httpx.AsyncClient, call: Call) -> Outcome:
+        """A submission's tests, one request each, all at once; the outputs compared here."""
+        assert call.tests is not None
+        outcomes = await asyncio.gather(*(self._one(client, Call(call.code, t.stdin, call.timeout))
+                                          for t in call.tests))
+        for outcome in outcomes:
+            if outcome.status in SERVICE_ERRORS:
+                return outcome
+        passed = sum(o.status == "ok" and same_output(o.stdout, t.expected_stdout, CODE_COMPARE, 1e-6)
+                     for o, t in zip(outcomes, call.tests, strict=True))
+        return Outcome("ok", f"{passed}/{len(call.tests)}", None, sum(o.run_s or 0.0 for o in outcomes))
+
+    async def _one(self, client: httpx.AsyncClient, call: Call) -> Outcome:
         try:
             response = await client.post(self.call_path, json=self.body(call))
         except Exception as exc:  # a refused connection, a reset, a malformed URL: the call got no answer
@@ -75,6 +101,10 @@ class Api:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return Outcome("http_error", error=f"unexpected {self.name} answer ({exc!r}): {response.text[:200]}")
 
+    async def _trial(self, client: httpx.AsyncClient) -> Outcome:
+        """A trial call that prints 1."""
+        return await self.call(client, Call("print(1)"))
+
     async def check(self, client: httpx.AsyncClient) -> None:
         """Raise TargetError unless the target is up, speaks this API and runs `print(1)`."""
         base = client.base_url
@@ -87,7 +117,7 @@ class Api:
                               f"pick the right --api ({', '.join(APIS)})")
         if ping.status_code >= 400:
             raise TargetError(f"{base} is not ready: GET {self.ping_path} answered {_short(ping)}")
-        result = await self.call(client, Call("print(1)"))
+        result = await self._trial(client)
         if result.status == "http_error" and result.error and "HTTP 404" in result.error:
             raise TargetError(f"{base} does not speak the {self.name} API: POST {self.call_path} answered 404; "
                               f"pick the right --api ({', '.join(APIS)})")
@@ -143,6 +173,39 @@ class CodeenvClientApi(CodeenvApi):
         return Outcome(result.status.value, result.stdout, result.queue_s, result.wall_s)
 
 
+class JudgeApi(Api):
+    """codeenv's ``POST /v1/judge``: a submission and all its tests in one request."""
+
+    name, ping_path, call_path = "judge", "/readyz", "/v1/judge"
+
+    async def call(self, client: httpx.AsyncClient, call: Call) -> Outcome:
+        if call.tests is None:  # a plain program: a submission with one test, its output expected
+            return Outcome("rejected", error="the judge API runs code workloads (calls with tests)")
+        return await self._one(client, call)
+
+    async def _trial(self, client: httpx.AsyncClient) -> Outcome:
+        outcome = await self.call(client, Call("print(1)", tests=(Test("", "1"),)))
+        return Outcome(outcome.status, "1" if outcome.stdout == "1/1" else outcome.stdout, error=outcome.error)
+
+    def body(self, call: Call) -> dict[str, Any]:
+        assert call.tests is not None
+        body: dict[str, Any] = {"code": call.code, "compare": CODE_COMPARE.value,
+                                "tests": [{"stdin": t.stdin, "expected_stdout": t.expected_stdout}
+                                          for t in call.tests]}
+        if call.timeout is not None:
+            body["limits"] = {"cpu_s": call.timeout}
+        return body
+
+    def outcome(self, data: Any) -> Outcome:
+        status = data.get("status")
+        if status in ("overloaded", "internal_error", "rejected"):
+            return Outcome(status, "", data.get("queue_s"), data.get("wall_s"), data.get("message"))
+        if status not in ("passed", "failed", "compile_error"):
+            raise TypeError(f"no judge status in the answer: {status!r}")
+        return Outcome("ok", f"{data['passed']}/{data['total']}", float(data.get("queue_s") or 0.0),
+                       float(data.get("wall_s") or 0.0))
+
+
 class CodeJudgeApi(Api):
     """code-judge's ``POST /run`` (its result says only success, run_success, cost and reason)."""
 
@@ -190,7 +253,7 @@ class SandboxFusionApi(Api):
 
 
 def api(name: str) -> Api:
-    apis: dict[str, type[Api]] = {"codeenv": CodeenvApi, "codeenv-client": CodeenvClientApi,
+    apis: dict[str, type[Api]] = {"codeenv": CodeenvApi, "codeenv-client": CodeenvClientApi, "judge": JudgeApi,
                                   "code-judge": CodeJudgeApi, "sandbox-fusion": SandboxFusionApi}
     if name not in apis:
         raise TargetError(f"unknown API {name!r}; choose from {', '.join(APIS)}")

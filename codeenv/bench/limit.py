@@ -9,6 +9,9 @@ is killed there, as a sandbox would kill it, and counts the CPU it used until th
 
 The same run records each program's outcome and stdout, which is how a workload's expected
 outputs are written (``codeenv bench --limit --write-expect FILE``).
+
+A code workload's submission counts the CPU time of all its tests, each run as such a child: its
+outcome is ``ok`` and its stdout ``PASSED/TOTAL`` (outputs compared as the bench compares them).
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from codeenv.bench.apis import CODE_COMPARE
 from codeenv.bench.baseline import host_python_env
 from codeenv.bench.workload import Call
+from codeenv.compare import same_output
 from codeenv.errors import BenchError
 from codeenv.sandbox.image import ensure_image
 from codeenv.sandbox.routing import choose_profile
@@ -108,6 +114,18 @@ class LimitReport:
                 for s, o in zip(self.statuses, self.stdouts, strict=True)]
 
 
+def _run(proc: subprocess.Popen[str], name: str, code: str, stdin: str, timeout: float) -> dict[str, Any]:
+    """One program in the warm interpreter `proc`: its CPU time, status and stdout."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps({"code": code, "stdin": stdin, "timeout": timeout}) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise BenchError(f"the warm {name} interpreter died (exit {proc.wait()})")
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -130,13 +148,16 @@ def measure_limit(calls: list[Call], settings: SandboxSettings | None = None,
                     [python, "-c", _WARM, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                     text=True, cwd="/tmp")
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps({"code": call.code, "stdin": call.stdin,
-                                         "timeout": call.timeout or DEFAULT_TIMEOUT_S}) + "\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            if not line:
-                raise BenchError(f"the warm {profile.name} interpreter died (exit {proc.wait()})")
-            result = json.loads(line)
+
+            timeout = call.timeout or DEFAULT_TIMEOUT_S
+            if call.tests is None:
+                result = _run(proc, profile.name, call.code, call.stdin, timeout)
+            else:
+                runs = [(_run(proc, profile.name, call.code, t.stdin, timeout), t.expected_stdout) for t in call.tests]
+                passed = sum(r["status"] == "ok" and same_output(r["stdout"], expected, CODE_COMPARE, 1e-6)
+                             for r, expected in runs)
+                result = {"cpu_s": sum(r["cpu_s"] for r, _ in runs), "status": "ok",
+                          "stdout": f"{passed}/{len(runs)}"}
             report.cpu_s.append(result["cpu_s"])
             report.statuses.append(result["status"])
             report.stdouts.append(result["stdout"])

@@ -2,8 +2,14 @@
 
 A workload file holds one call per line: ``{"code": ..., "stdin": "", "timeout": 3.0, "tag": "sympy"}``
 (only ``code`` is required). A shipped workload is named without a path (``math``, ``print``,
-``sympy``); its expected outputs, where it has them, lie beside it as ``NAME.expect.jsonl``, one
-line per call: ``{"status": "ok" | "error" | "timeout", "stdout": ...}``.
+``sympy``, ``code``); its expected outputs, where it has them, lie beside it as
+``NAME.expect.jsonl``, one line per call: ``{"status": "ok" | "error" | "timeout", "stdout": ...}``.
+
+A code workload's call is a submission with its tests: ``{"code": ..., "tests": [{"stdin": ...,
+"expected_stdout": ...}, ...], "timeout": 1.0}`` (``timeout``: CPU seconds per test). It is judged
+in one call (``--api judge``) or one request per test (every other API, the outputs compared by the
+bench, as verl's and SkyRL's reward functions do); either way its outcome is ``ok`` with the stdout
+``PASSED/TOTAL``.
 """
 
 from __future__ import annotations
@@ -24,11 +30,18 @@ class WorkloadError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Test:
+    stdin: str
+    expected_stdout: str
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     code: str
     stdin: str = ""
     timeout: float | None = None
     tag: str = ""
+    tests: tuple[Test, ...] | None = None  # a code workload's submission
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +85,20 @@ def load_workload(name_or_path: str) -> list[Call]:
             raise WorkloadError(f"{path}: call {number}: 'code' (and 'stdin', 'tag' if given) must be strings")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise WorkloadError(f"{path}: call {number}: 'timeout' must be a positive number of seconds")
-        calls.append(Call(code, stdin, float(timeout) if timeout is not None else None, tag))
+        calls.append(Call(code, stdin, float(timeout) if timeout is not None else None, tag,
+                          _tests(item.get("tests"), path, number)))
     return calls
+
+
+def _tests(raw: object, path: Path, number: int) -> tuple[Test, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(t, dict) and isinstance(t.get("stdin", ""), str) and isinstance(t.get("expected_stdout"), str)
+            for t in raw):
+        raise WorkloadError(f"{path}: call {number}: 'tests' must be a non-empty list of "
+                            '{"stdin": str, "expected_stdout": str}')
+    return tuple(Test(t.get("stdin", ""), t["expected_stdout"]) for t in raw)
 
 
 def expect_path_for(name_or_path: str) -> Path | None:

@@ -852,6 +852,13 @@ class Submission:
         self.prep_cpu_s = 0.0
         self.lost: str | None = None
         self.outcome: Outcome | None = None
+        # Every test gets the same empty arguments, setup and report memfds (a report is read, then
+        # its frame header cleared); only its input and its output pipes are its own.
+        self.no_args = _sealed_memfd("args", b"")
+        self.setup_fd = os.memfd_create("setup", os.MFD_CLOEXEC)
+        os.ftruncate(self.setup_fd, REPORT_BYTES)
+        self.report_fd = os.memfd_create("report", os.MFD_CLOEXEC)
+        self.report_bytes = 0
 
     @property
     def alive(self) -> bool:
@@ -921,7 +928,7 @@ class Submission:
             with contextlib.suppress(OSError):
                 self.sock.send(b'{"op":"kill"}')
 
-        with _CallFiles(args, stdin, None, None, 0, report_bytes=report_bytes) as files:
+        with _TestFiles(self, args, stdin, report_bytes) as files:
             try:
                 socket.send_fds(self.sock, [json.dumps({
                     "op": "test", "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
@@ -957,8 +964,8 @@ class Submission:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), z.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
-            out.report = _read_report(files.report, report_bytes)
-            setup = _read_report(files.setup, REPORT_BYTES)
+            out.report = _take_report(self.report_fd, report_bytes)
+            setup = _take_report(self.setup_fd, REPORT_BYTES)
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
         with contextlib.suppress(OSError, ValueError):
@@ -996,8 +1003,41 @@ class Submission:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
         finally:
             self.call.close()
+            for fd in (self.no_args, self.setup_fd, self.report_fd):
+                os.close(fd)
             self.outcome = out
         return out
+
+
+class _TestFiles(_CallFiles):
+    """The fds of one test, in `CallFd` order: its arguments (the submission's shared empty memfd
+    for a stdin test), its input, its output pipes, and the submission's report and setup memfds."""
+
+    def __init__(self, sub: Submission, args: bytes, stdin: bytes, report_bytes: int) -> None:
+        self.theirs = []
+        self._ours = []
+        self._drains = []
+        self.fetched = None
+        try:
+            if report_bytes > sub.report_bytes:
+                os.ftruncate(sub.report_fd, report_bytes)
+                sub.report_bytes = report_bytes
+            self.theirs += [_sealed_memfd("args", args) if args else os.dup(sub.no_args), _sealed_memfd("stdin", stdin)]
+            self.stdout, self.stderr = (self._pipe() for _ in range(2))
+            self.theirs += [os.dup(sub.report_fd), os.dup(sub.setup_fd)]
+        except BaseException:
+            self.close_theirs()
+            self.close()
+            raise
+
+
+def _take_report(fd: int, limit: int) -> dict[str, Any] | None:
+    """The report in a memfd that the next test uses too: read, then cleared."""
+    if os.pread(fd, 4, 0) == b"\0\0\0\0":
+        return None
+    report = _read_report(fd, limit)
+    os.pwrite(fd, b"\0\0\0\0", 0)
+    return report
 
 
 def _read_report(fd: int, limit: int) -> dict[str, Any] | None:
