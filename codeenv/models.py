@@ -114,6 +114,8 @@ class ExecRequest(BaseModel):
     fetch_files: list[Text] = Field(
         default_factory=list, description="files to read back from the work dir after the run (relative paths)"
     )
+    display_last: bool = Field(False, description="report the repr of the last top-level expression as "
+                                                  "`value` (Jupyter's Out[n])")
     judge: JudgeSpec | None = Field(None, description="set by /v1/judge: run the code against these tests")
 
 
@@ -150,6 +152,8 @@ class ExecResult(BaseModel):
     files: dict[str, str] | None = Field(None, description="fetched files: path -> base64 content")
     file_errors: dict[str, str] | None = Field(None, description="files that could not be fetched: path -> why")
     message: str | None = None
+    value: str | None = Field(None, description="with display_last: the repr of the last top-level expression, "
+                                                "if it was one and not None (at most 8,192 characters)")
     judge: JudgeOutcome | None = Field(None, description="a judged call's tests (see /v1/judge)")
 
     _encoded: str | None = PrivateAttr(None)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from codeenv.api import compat, judging, native
+from codeenv.api import compat, judging, native, routers
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
@@ -69,7 +69,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
                   description="Run untrusted Python in jails, with hard limits and structured results.")
-    app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS
+    app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
                        | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS)
 
     @app.exception_handler(ApiError)
@@ -79,7 +79,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     # The routes go onto the app's own router: an included router stays a nested router that every
     # request walks through (measured: +14% Python calls per /v1/execute, +38% per /run_code).
     for api in (native.router(gateway), judging.router(gateway), compat.code_judge_router(gateway),
-                compat.sandbox_fusion_router(gateway)):
+                compat.sandbox_fusion_router(gateway), routers.router(gateway)):
         app.router.routes.extend(api.routes)
 
     def openapi() -> dict[str, Any]:

@@ -123,12 +123,13 @@ class AsyncClient:
     async def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None,
                   id: str | None = None, profile: str | None = None, deadline_s: float | None = None,
                   files: Mapping[str, str] | None = None, fetch_files: Iterable[str] | None = None,
-                  ledger: Recorder | None = None) -> ExecResult:
+                  ledger: Recorder | None = None, display_last: bool = False) -> ExecResult:
         """Run one program; returns its structured result. `deadline_s`: it must start within this
-        many seconds (counted from now, across retries) or it comes back `overloaded`, not run."""
+        many seconds (counted from now, across retries) or it comes back `overloaded`, not run.
+        `display_last`: the repr of the last top-level expression comes back as `value`."""
         request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=id or uuid.uuid4().hex,
                               profile=profile, deadline_s=deadline_s, files=dict(files or {}),
-                              fetch_files=list(fetch_files or []))
+                              fetch_files=list(fetch_files or []), display_last=display_last)
         return await self.submit(request, ledger=ledger)
 
     async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult:

@@ -37,9 +37,11 @@ class Client:
 
     def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None, id: str | None = None,
             profile: str | None = None, deadline_s: float | None = None, files: Mapping[str, str] | None = None,
-            fetch_files: Iterable[str] | None = None, ledger: Recorder | None = None) -> ExecResult:
+            fetch_files: Iterable[str] | None = None, ledger: Recorder | None = None,
+            display_last: bool = False) -> ExecResult:
         return self._call(self._client.run(code, stdin=stdin, limits=limits, id=id, profile=profile,
-                                           deadline_s=deadline_s, files=files, fetch_files=fetch_files, ledger=ledger))
+                                           deadline_s=deadline_s, files=files, fetch_files=fetch_files, ledger=ledger,
+                                           display_last=display_last))
 
     def judge(self, code: str, tests: Sequence[Mapping[str, Any]], **options: Any) -> JudgeResult:
         """AsyncClient.judge, blocking."""

@@ -349,7 +349,8 @@ class SlotPool:
                         judged, problem = await self._judge(slot, zygote, code, request, limits)
                     else:
                         judged = None
-                        outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch)
+                        outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch,
+                                                   display_last=request.display_last)
             except _DeadlinePassed:
                 zygote.busy = False  # nothing ran: the slot goes back as it is
                 if self._open:

@@ -68,6 +68,8 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
     elif os.WIFEXITED(wait_status):
         result.exit_code = os.WEXITSTATUS(wait_status)
     result.error = _error_info(report)  # advisory: the program can write its report
+    if isinstance(report.get("value"), str):  # display_last: the program's own account, like stdout
+        result.value = report["value"]
 
     if out.output_overflow:
         result.status, result.limit = Status.output_limit, LimitName.output

@@ -523,6 +523,25 @@ def _report_setup_error(setup_fd, exc):
         pass
 
 
+#: Characters of a displayed value kept (its JSON, \u-escaped, must fit the report memfd).
+VALUE_CHARS = 8192
+
+
+def _exec_displaying_last(code, namespace, report):
+    """Run `code`; if its last top-level statement is an expression, report that value's repr as
+    Jupyter shows it (nothing for None)."""
+    import ast
+
+    tree = ast.parse(code, FILENAME)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, FILENAME, "exec", dont_inherit=True), namespace)
+    if last is None:
+        return
+    value = eval(compile(ast.Expression(last.value), FILENAME, "eval", dont_inherit=True), namespace)
+    if value is not None:
+        _write_report(report, {"value": repr(value)[:VALUE_CHARS]})
+
+
 def _child(fds, limits, main=None):
     """Runs in the forked child; never returns."""
     import mmap
@@ -565,7 +584,10 @@ def _child(fds, limits, main=None):
 
     status = 0
     try:
-        exec(compile(code, FILENAME, "exec", dont_inherit=True), main.__dict__)
+        if limits.get("display_last"):
+            _exec_displaying_last(code, main.__dict__, report)
+        else:
+            exec(compile(code, FILENAME, "exec", dont_inherit=True), main.__dict__)
         if fn_name is not None:
             _report_value(report, _call_function(main.__dict__, fn_name, args))
     except SystemExit as exc:

@@ -585,13 +585,15 @@ class ZygoteProcess:
 
     async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True,
                   files: list[tuple[str, bytes]] | None = None, fetch: list[str] | None = None,
-                  call_function: str | None = None, report_bytes: int = REPORT_BYTES) -> Outcome:
+                  call_function: str | None = None, report_bytes: int = REPORT_BYTES,
+                  display_last: bool = False) -> Outcome:
         """Run one call. Raises ZygoteDied(started=False) only if it provably never started.
 
         `files` are written into the work dir before the program runs (by the child), `fetch`
         names files read back after it ends (by a collector child), both inside the jail.
         With `call_function`, the program's top-level code is followed by a call of that function
         (or method of class Solution) with the JSON arguments in `stdin`; its value is reported.
+        With `display_last`, the repr of the last top-level expression is reported (`value`).
         """
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
@@ -620,6 +622,8 @@ class ZygoteProcess:
                     "spare": prefork_next and self.settings.prefork, "fetch": bool(fetch)}
                 if call_function is not None:
                     msg.update(judge="function_single", fn_name=call_function)
+                if display_last:
+                    msg["display_last"] = True
                 self._send(msg, call.theirs)
             finally:
                 call.close_theirs()
