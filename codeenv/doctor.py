@@ -35,6 +35,7 @@ from codeenv.sandbox.cgroups import (
     OPTIONAL_CONTROLLERS,
     REQUIRED_CONTROLLERS,
     SUPERVISOR_LEAF,
+    V1_ACCOUNTING,
     V2_WRITE_HINT,
     CgroupLayout,
     require_v2_controllers,
@@ -171,6 +172,11 @@ def check_cgroups(report: Report, root: Path | None) -> CgroupLayout | None:
             else:
                 report.add(f"cgroup {name}", Level.fail if name in REQUIRED_CONTROLLERS else Level.warn,
                            f"cannot create a group in {own}: {error}")
+        if V1_ACCOUNTING in layout.own and (layout.mount(V1_ACCOUNTING) / "cpuacct.usage").exists():
+            report.add(f"cgroup {V1_ACCOUNTING}", Level.ok, "judged tests' CPU limits are enforced within 50 ms")
+        else:
+            report.add(f"cgroup {V1_ACCOUNTING}", Level.warn, "not mounted: judged tests' CPU limits fall back to "
+                       "RLIMIT_CPU (whole seconds)")
         return layout
     own = layout.delegated_dir()
     available = (_read(own / "cgroup.controllers") or "").split()

@@ -166,79 +166,86 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
             if results[i] is None:
                 results[i] = TestResult(status=status, limit=limit, message=message)
 
-    while index < len(tests):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            finish_all(TestStatus.timeout, f"not run: the submission's total wall-clock limit of {total_wall_s:g}s "
-                                           "was spent", LimitName.wall)
-            break
-        if sub is not None:  # a restart: the last process ended; the jail must be clean first
-            await sub.close()
-            sub = None
-            problem = "the zygote is gone" if zygote.dead else await zygote.finish()
-            if problem is not None:
-                zygote = await restart(problem)
-        if alone:
-            alone = False
-            try:
-                results[index] = result = await _alone(zygote, code, tests[index], spec, limits)
-            except ZygoteDied:
-                zygote = await restart("its zygote died")
-                continue  # not started: run it again
-            problem = "the zygote is gone" if zygote.dead else await zygote.finish()
-            if problem is not None:
-                zygote = await restart(problem)
-            index += 1
-            if spec.stop_on_failure and result.status is not TestStatus.passed:
-                finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+    try:
+        while index < len(tests):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                finish_all(TestStatus.timeout, f"not run: the submission's total wall-clock limit of {total_wall_s:g}s "
+                                               "was spent", LimitName.wall)
                 break
-            continue
-        try:
-            sub = await zygote.prepare(code, mode, spec.fn_name, limits, remaining)
-        except ZygoteDied:
-            if outcome.prepared == 0:
-                raise
-            zygote = await restart("its zygote died")
-            sub = None
-            continue
-        outcome.prepared += 1
-        prepared = sub.prepared
-        if prepared is None:  # the preparation itself failed: as it would before every test alone
-            if mode == "function":  # e.g. top-level code that kills itself: each test shows it
-                mode = "function_inline"
+            if sub is not None:  # a restart: the last process ended; the jail must be clean first
+                await sub.close()
+                sub = None
+                problem = "the zygote is gone" if zygote.dead else await zygote.finish()
+                if problem is not None:
+                    zygote = await restart(problem)
+            if alone:
+                alone = False
+                try:
+                    results[index] = result = await _alone(zygote, code, tests[index], spec, limits)
+                except ZygoteDied:
+                    zygote = await restart("its zygote died")
+                    continue  # not started: run it again
+                problem = "the zygote is gone" if zygote.dead else await zygote.finish()
+                if problem is not None:
+                    zygote = await restart(problem)
+                index += 1
+                if spec.stop_on_failure and result.status is not TestStatus.passed:
+                    finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+                    break
                 continue
-            lost = sub.lost or ""
-            if lost == "cpu":
-                finish_all(TestStatus.timeout, "the submission's preparation ran over the CPU limit", LimitName.cpu)
-            elif lost == "wall":
-                finish_all(TestStatus.timeout, "the submission's preparation ran over the wall limit", LimitName.wall)
-            else:
-                finish_all(TestStatus.internal_error, f"the submission could not be prepared: {lost}")
-            break
-        if "compile_error" in prepared:
-            outcome.compile = CompileInfo(status="error", stderr=str(prepared.get("stderr", ""))[:8000])
-            finish_all(TestStatus.skipped, "not run: the code does not compile")
-            break
-        if "unshared" in prepared:
-            mode = "function_inline"  # each test runs the top-level code itself
-            continue
-        outcome.compile = CompileInfo(status="ok")
-        while index < len(tests) and sub.alive:
-            if time.monotonic() > deadline:
+            try:
+                sub = await zygote.prepare(code, mode, spec.fn_name, limits, remaining)
+            except ZygoteDied:
+                if outcome.prepared == 0:
+                    raise
+                zygote = await restart("its zygote died")
+                sub = None
+                continue
+            outcome.prepared += 1
+            prepared = sub.prepared
+            if prepared is None:  # the preparation itself failed: as it would before every test alone
+                if mode == "function":  # e.g. top-level code that kills itself: each test shows it
+                    mode = "function_inline"
+                    continue
+                lost = sub.lost or ""
+                if lost == "cpu":
+                    finish_all(TestStatus.timeout, "the submission's preparation ran over the CPU limit",
+                               LimitName.cpu)
+                elif lost == "wall":
+                    finish_all(TestStatus.timeout, "the submission's preparation ran over the wall limit",
+                               LimitName.wall)
+                else:
+                    finish_all(TestStatus.internal_error, f"the submission could not be prepared: {lost}")
                 break
-            args, stdin, cap, report = _test_input(tests[index], spec)
-            observed = await sub.test(index, args, stdin, max(limits.output_bytes, cap), report)
-            if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
-                alone = True
+            if "compile_error" in prepared:
+                outcome.compile = CompileInfo(status="error", stderr=str(prepared.get("stderr", ""))[:8000])
+                finish_all(TestStatus.skipped, "not run: the code does not compile")
                 break
-            if observed.done is not None and not observed.done.clean:
-                sub.lost = "the work dir could not be wiped after a test"
-            result = verdict(observed, tests[index], spec, limits)
-            results[index] = result
-            index += 1
-            if spec.stop_on_failure and result.status is not TestStatus.passed:
-                finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
-                index = len(tests)
+            if "unshared" in prepared:
+                mode = "function_inline"  # each test runs the top-level code itself
+                continue
+            outcome.compile = CompileInfo(status="ok")
+            while index < len(tests) and sub.alive:
+                if time.monotonic() > deadline:
+                    break
+                args, stdin, cap, report = _test_input(tests[index], spec)
+                observed = await sub.test(index, args, stdin, max(limits.output_bytes, cap), report)
+                if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
+                    alone = True
+                    break
+                if observed.done is not None and not observed.done.clean:
+                    sub.lost = "the work dir could not be wiped after a test"
+                result = verdict(observed, tests[index], spec, limits)
+                results[index] = result
+                index += 1
+                if spec.stop_on_failure and result.status is not TestStatus.passed:
+                    finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+                    index = len(tests)
+    except BaseException:
+        if sub is not None:
+            sub.abandon()  # e.g. cancelled: the pool recycles the jail
+        raise
     problem = None
     if sub is not None:
         await sub.close()

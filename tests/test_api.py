@@ -245,11 +245,12 @@ async def test_serve_with_several_gateway_processes_keeps_one_pool(redis_mode: b
             stdout = {r.json()["id"]: r.json()["stdout"] for r in first}
             assert len(set(stdout.values())) == 12  # twelve runs ...
             assert all(stdout[r.json()["id"]] == r.json()["stdout"] for r in again)  # ... each answered twice
-            # The pool's figures reach the gateways twice a second: until they show the calls.
+            # The pool's figures reach the gateways twice a second (through Redis, as the worker
+            # publishes them): until they show the slots and the calls.
             deadline = time.monotonic() + 30
             while True:
                 metrics = (await c.get("/metrics")).text
-                if redis_mode or _gauge(metrics, "codeenv_calls_run") == 12:
+                if _gauge(metrics, "codeenv_slots") == 2 and (redis_mode or _gauge(metrics, "codeenv_calls_run") == 12):
                     break
                 assert time.monotonic() < deadline, metrics
                 await asyncio.sleep(0.1)

@@ -989,6 +989,16 @@ class Submission:
                 out.memory_peak_kb = out.done.maxrss_kb
         return out
 
+    def abandon(self) -> None:
+        """Drop the worker's fds of a call that will not be closed (cancelled; its jail is recycled)."""
+        if self.outcome is not None:
+            return
+        self.sock.close()
+        self.call.close()
+        for fd in (self.no_args, self.setup_fd, self.report_fd):
+            os.close(fd)
+        self.outcome = Outcome(notes=["abandoned"])
+
     async def close(self) -> Outcome:
         """End the judged call: every process of it goes; the zygote then wipes as after any call."""
         if self.outcome is not None:
