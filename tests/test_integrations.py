@@ -1,0 +1,157 @@
+"""codeenv as the code tool of verl and SkyRL-gym, against their real classes (from their wheels,
+see tests/frameworks.py) and a real codeenv over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import re
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from codeenv import SlotPool
+from codeenv.api import create_app
+from codeenv.bench.services import free_port
+from codeenv.settings import GatewaySettings
+from tests.conftest import SharedPoolQueue, serving
+from tests.frameworks import load_skyrl_gym, load_verl
+
+EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "verl" / "codeenv_tool.yaml"
+
+
+@pytest_asyncio.fixture
+async def service(pool: SlotPool) -> AsyncIterator[str]:
+    settings = GatewaySettings(slots=2)
+    async with serving(create_app(settings, SharedPoolQueue(pool, settings.max_queued))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def verl() -> None:
+    load_verl()
+
+
+def verl_tool(url: str, tmp_path: Path, **config: Any) -> Any:
+    """The tool as verl builds it: its registry reading the README's YAML, pointed at `url`."""
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    text = EXAMPLE_YAML.read_text().replace("http://127.0.0.1:8000", url)
+    for key, value in config.items():
+        text = re.sub(rf"^      {key}:.*$", f"      {key}: {value}", text, count=1, flags=re.MULTILINE)
+    path = tmp_path / "tools.yaml"
+    path.write_text(text)
+    [tool] = initialize_tools_from_config(str(path))
+    return tool
+
+
+@pytest.mark.jail
+async def test_verl_tool_create_execute_release(verl: None, service: str, tmp_path: Path) -> None:
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.schemas import ToolResponse
+
+    tool = verl_tool(service, tmp_path)
+    assert isinstance(tool, BaseTool) and tool.name == "python"
+    assert tool.get_openai_tool_schema().function.parameters.required == ["code"]
+    agent_data = SimpleNamespace(request_id="traj-1")  # what verl's agent loop passes
+
+    async def call(code: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
+        # As verl's tool agent loop does it: create, execute, release per tool call.
+        instance_id, _ = await tool.create(create_kwargs={})
+        try:
+            response: tuple[ToolResponse, float, dict[str, Any]] = await tool.execute(
+                instance_id, {"code": code}, agent_data=agent_data)
+            return response
+        finally:
+            await tool.release(instance_id)
+
+    response, reward, metrics = await call("print(6 * 7)")
+    assert "42" in response.text and reward == 0.0
+    assert metrics["status"] == "ok" and metrics["tool_error"] == 0 and metrics["service_fault"] == 0
+    assert isinstance(metrics["cpu_s"], float)
+    response, _, metrics = await call("1 / 0")
+    assert "ZeroDivisionError" in response.text and metrics["tool_error"] == 1
+    response, _, metrics = await call(None)
+    assert "code" in response.text and metrics["tool_error"] == 1
+    ledger = tool.pop_ledger("traj-1")
+    assert (ledger.calls, ledger.tool_errors, ledger.service_faults) == (2, 1, 0)
+    assert tool.pop_ledger("traj-1").calls == 0
+
+
+@pytest.mark.jail
+async def test_verl_tool_calls_of_many_trajectories_are_batched(verl: None, service: str, tmp_path: Path) -> None:
+    from codeenv.integrations.tool import _client
+
+    tool = verl_tool(service, tmp_path)
+    client = _client(tool.code.settings)
+    sent = client.requests_sent
+
+    async def trajectory(k: int) -> str:
+        instance_id, _ = await tool.create()
+        response, _, _ = await tool.execute(instance_id, {"code": f"print({k} * 2)"},
+                                            agent_data=SimpleNamespace(request_id=f"t{k}"))
+        await tool.release(instance_id)
+        return str(response.text)
+
+    texts = await asyncio.gather(*(trajectory(k) for k in range(24)))
+    assert all(str(2 * k) in text for k, text in enumerate(texts))
+    assert client.requests_sent - sent < 24  # micro-batched across trajectories
+    assert all(tool.pop_ledger(f"t{k}").calls == 1 for k in range(24))
+
+
+@pytest.mark.unit
+async def test_verl_tool_turns_service_faults_into_feedback(verl: None, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    tool = verl_tool(url, tmp_path, client="{retries: 1, backoff_s: 0.01}")
+    instance_id, _ = await tool.create()
+    response, _, metrics = await tool.execute(instance_id, {"code": "print(1)"},
+                                              agent_data=SimpleNamespace(request_id="down"))
+    assert "service reason" in response.text and metrics["service_fault"] == 1 and metrics["tool_error"] == 0
+    ledger = tool.pop_ledger("down")
+    assert (ledger.service_faults, ledger.tool_errors, ledger.tool_error_ratio) == (1, 0, None)
+
+
+@pytest.mark.jail
+async def test_verl_function_tool(verl: None, service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.tools.function_tool import load_function_tools_from_path, normalize_function_tool_return
+
+    monkeypatch.setenv("CODEENV_URL", service)
+    monkeypatch.setenv("CODEENV_TOOL_LIMITS", '{"wall_s": 5}')
+    sys.modules.pop("codeenv.integrations.verl_functions", None)
+    path = importlib.util.find_spec("codeenv.integrations.verl_functions").origin  # type: ignore[union-attr]
+    [tool] = load_function_tools_from_path(str(path))
+    schema = tool.tool_schema.function
+    assert (tool.name, schema.parameters.required, list(schema.parameters.properties)) == ("python", ["code"], ["code"])
+    response, _, _ = normalize_function_tool_return(await tool.call({"code": "print(sum(range(10)))"}))
+    assert "45" in response.text
+
+
+@pytest.mark.jail
+async def test_skyrl_tool_group_in_a_real_environment(service: str) -> None:
+    load_skyrl_gym()
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+    from skyrl_gym.tools.core import ToolGroup
+
+    from codeenv.integrations.skyrl import CodeenvToolGroup
+
+    group = CodeenvToolGroup(url=service, limits={"wall_s": 5})
+    assert isinstance(group, ToolGroup) and group.get_tool_names() == ["python"]
+
+    class Env(BaseTextEnv):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.init_tool_groups([group])
+
+        def step(self, action: str) -> Any:
+            return self._execute_tool("CodeenvToolGroup", "python", [action])
+
+    env = Env()
+    observations = await asyncio.to_thread(lambda: [env.step("print(2 ** 10)"), env.step("import nope")])
+    assert "1024" in observations[0] and "ModuleNotFoundError" in observations[1]
+    assert group.metrics["tool_error"] == 1
+    assert (group.ledger.calls, group.ledger.tool_errors) == (2, 1)
