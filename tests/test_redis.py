@@ -494,3 +494,82 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
         await r.aclose()
         if worker.service is not None and worker.service.returncode is None:
             worker.kill()
+
+
+async def _resend_until_run(queue: RedisQueue, requests: list[ExecRequest],
+                            first: list[ExecResult]) -> dict[str, ExecResult]:
+    """What a client does: a call answered `started: false` is sent again (same id) until it runs."""
+    final = {r.id: r for r in first if r.started}
+    pending = [req for req, r in zip(requests, first, strict=True) if not r.started]
+    for _ in range(10):
+        if not pending:
+            break
+        results = await asyncio.wait_for(queue.submit(pending), 120)
+        final.update({r.id: r for r in results if r.started})
+        pending = [req for req, r in zip(pending, results, strict=True) if not r.started]
+        await asyncio.sleep(0.2)
+    assert not pending, f"{len(pending)} calls never ran"
+    return {k: v for k, v in final.items() if k is not None}
+
+
+async def test_after_redis_loses_its_data_only_calls_that_ran_say_started(prefix: str, tmp_path: Path) -> None:
+    server = start_redis()
+    worker = WorkerProcess(server, prefix, tmp_path / "worker.log")
+    queue = RedisQueue(settings_for(server, prefix))
+    try:
+        await worker.start()
+        await wait_for_workers(server, prefix, 1)
+        await queue.start()
+        requests = [ExecRequest(code=f"import time\ntime.sleep(0.4)\nprint({i})", id=f"c{i}") for i in range(48)]
+        batch = asyncio.ensure_future(queue.submit(requests))
+        await until(lambda: len(worker.started_ids()) >= 5, "five calls started")
+        server.kill()  # SIGKILL: every key is gone
+        server.start().wait_ready()
+        first = await asyncio.wait_for(batch, 120)
+        ran = Counter(worker.started_ids())
+        assert {r.id for r in first if r.started} == set(ran), (Counter(r.status for r in first), ran)
+        assert all(r.status == "ok" for r in first if r.started)
+        assert all(r.status == "overloaded" for r in first if not r.started)
+        assert sum(not r.started for r in first) >= 30  # most of the 48 were still queued
+        final = await _resend_until_run(queue, requests, first)
+        assert sorted(final) == sorted(f"c{i}" for i in range(48))
+        assert all(final[f"c{i}"].stdout == f"{i}\n" for i in range(48))
+        assert Counter(worker.started_ids()) == Counter(f"c{i}" for i in range(48))  # each ran exactly once
+    finally:
+        await queue.close()
+        await worker.stop()
+        server.kill()
+
+
+async def test_a_worker_killed_with_redis_leaves_only_its_own_calls_unknown(prefix: str, tmp_path: Path) -> None:
+    server = start_redis()
+    survivor = WorkerProcess(server, prefix, tmp_path / "survivor.log", slots=1)
+    doomed = WorkerProcess(server, prefix, tmp_path / "doomed.log", slots=1)
+    queue = RedisQueue(settings_for(server, prefix))
+    try:
+        await asyncio.gather(survivor.start(), doomed.start())
+        await wait_for_workers(server, prefix, 2)
+        await queue.start()
+        await asyncio.sleep(1.0)  # the gateway's snapshot has seen both workers
+        requests = [ExecRequest(code=f"import time\ntime.sleep(0.4)\nprint({i})", id=f"d{i}") for i in range(48)]
+        batch = asyncio.ensure_future(queue.submit(requests))
+        await until(lambda: len(doomed.started_ids()) >= 2, "the doomed worker started calls")
+        doomed.kill()
+        server.kill()
+        server.start().wait_ready()
+        first = await asyncio.wait_for(batch, 120)
+        ran = Counter(survivor.started_ids()) + Counter(doomed.started_ids())
+        for r in first:  # never "not started" for a call that ran
+            assert r.started or r.id not in ran, r
+            if r.started and r.status != "ok":
+                assert r.status == "internal_error", r
+                assert "did not come back" in (r.message or "") or "died" in (r.message or ""), r
+        assert sum(r.status == "ok" for r in first) >= sum(r.id in ran for r in first) - 2  # the doomed one's
+        # The client sends again only what surely never ran: nothing runs twice.
+        await _resend_until_run(queue, requests, first)
+        after = Counter(survivor.started_ids()) + Counter(doomed.started_ids())
+        assert max(after.values()) == 1
+    finally:
+        await queue.close()
+        await survivor.stop()
+        server.kill()

@@ -106,6 +106,7 @@ class RedisQueue:
         self._run_id: str | None = None
         self._down: str | None = None  # why Redis is unreachable, while it is
         self._snapshot: dict[str, float] = dict(NO_STATS)
+        self._workers_seen: set[str] = set()  # the live workers at the last snapshot
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -369,19 +370,33 @@ class RedisQueue:
         self._run_id = run_id
         logger.warning("Redis reachable again%s", " (it restarted)" if restarted else "",
                        extra={"event": "redis_up", "restarted": restarted})
-        try:
-            if restarted:
-                for attempt in range(20):
-                    try:
-                        await self._answer_lost_calls()
-                        break
-                    except RedisError:
-                        await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-        finally:
-            self._down = None
+        self._down = None  # new calls go to the new stream: they are never taken for lost ones
+        if restarted:
+            for attempt in range(20):
+                try:
+                    await self._answer_lost_calls()
+                    break
+                except RedisError:
+                    await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
 
     async def _answer_lost_calls(self) -> None:
-        """After a restart, calls whose job and marker are both gone will never be answered."""
+        """After Redis came back without its data: once the workers that were alive have put back
+        the markers of the jobs they hold (or were given up for dead), a call with neither its job
+        nor a marker never started: it is answered `overloaded`, `started: false`, so that its
+        client sends it again. Only if a worker did not come back (it may have started such a call
+        and died) are those calls answered as possibly run."""
+        expected = set(self._workers_seen)
+        settings = self.settings
+        deadline = time.monotonic() + settings.worker_dead_after_s + 2 * settings.heartbeat_s
+        restored: set[str] = set()
+        while expected:
+            names = sorted(expected)
+            values = await self._r.mget([self.keys.restored(n) for n in names])
+            restored = {n for n, v in zip(names, values, strict=True) if v == self._run_id}
+            if restored == expected or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(min(0.1, settings.heartbeat_s / 2))
+        missing = sorted(expected - restored)
         calls = [c for c in self._waiting.values() if c.entry]
         if not calls:
             return
@@ -390,14 +405,23 @@ class RedisQueue:
                 pipe.exists(self.keys.started(call.key))
                 pipe.xrange(self.keys.jobs, call.entry, call.entry, count=1)
             found = await pipe.execute()
-        lost = 0
+        lost = unrun = 0
         for i, call in enumerate(calls):
-            if not found[2 * i] and not found[2 * i + 1]:
-                self._waiting.pop(call.key, None)
-                call.answer(self._lost(call.request, "Redis restarted and lost the call"))
+            if found[2 * i] or found[2 * i + 1] or call.key not in self._waiting:
+                continue
+            self._waiting.pop(call.key, None)
+            if missing:
+                call.answer(self._lost(call.request, f"Redis restarted and lost the call, and worker(s) "
+                                                     f"{', '.join(missing)} did not come back"))
                 lost += 1
-        if lost:
-            logger.error("Redis restarted: %d calls lost", lost, extra={"event": "calls_lost", "calls": lost})
+            else:
+                call.answer(ExecResult(id=call.request.id, status=Status.overloaded, started=False,
+                                       message="Redis restarted and lost the call before any worker started it; "
+                                               "not run: send it again"))
+                unrun += 1
+        if lost or unrun:
+            logger.error("Redis restarted: %d calls never started (answered overloaded), %d may have run",
+                         unrun, lost, extra={"event": "calls_lost", "calls": lost, "unrun": unrun})
 
     @staticmethod
     def _lost(request: ExecRequest, why: str) -> ExecResult:
@@ -430,6 +454,7 @@ class RedisQueue:
                 pipe.xrange(self.keys.jobs, f"({group['last-delivered-id']}", "+", count=1)
             found = await pipe.execute()
         live = [json.loads(workers[n]) for n, alive in zip(names, found, strict=False) if alive]
+        self._workers_seen = {n for n, alive in zip(names, found, strict=False) if alive}
         oldest = 0.0
         if group is not None and found[len(names):] and found[-1]:
             entry_ms = int(found[-1][0][0].split("-")[0])

@@ -13,6 +13,8 @@ The keys, all under one prefix (default ``codeenv``):
 ``P:reply:GATEWAY``       results for one gateway process, read in bulk (BLMPOP)
 ``P:alive:WORKER``        a worker's heartbeat; it expires ``worker_dead_after_s`` after the last
 ``P:workers``             worker -> its last reported stats (slots, free slots, restarts, calls)
+``P:restored:WORKER``     the run id of the Redis server a worker restored its state into, after
+                          that server came back without its data (see `codeenv.worker.redis`)
 ``P:jobs:no-id``          never written: stands for "no client id" among a script's keys
 ========================  =====================================================================
 
@@ -79,6 +81,9 @@ class Keys:
 
     def alive(self, worker: str) -> str:
         return f"{self.prefix}:alive:{worker}"
+
+    def restored(self, worker: str) -> str:
+        return f"{self.prefix}:restored:{worker}"
 
 
 # --- the scripts ---------------------------------------------------------------------------------

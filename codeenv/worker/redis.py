@@ -16,6 +16,7 @@ never marked, and answers those it marked with ``started: true``: they are never
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -47,6 +48,11 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_S = 120.0
 #: Read by the claim loop's XREADGROUP: how long one blocking read waits for new jobs.
 CLAIM_BLOCK_MS = 1000
+#: Results written in the last this many seconds are written again after Redis restarts empty.
+RECENT_RESULTS_S = 5.0
+RECENT_RESULTS_MAX = 20_000
+#: How long a worker's `restored` key is kept.
+RESTORED_TTL_S = 3600
 
 
 class _NotOurs(Exception):
@@ -98,6 +104,11 @@ class StreamWorker:
         self._stopped = asyncio.Event()
         self._force = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
+        self._run_id: str | None = None  # the Redis server's run id: a new one means it restarted
+        #: Results written lately, as (when, entry, job, reply, call id, result JSON, started): a
+        #: restarted Redis may have lost them before their gateway read them.
+        self._recent: collections.deque[tuple[float, str, str, str, str | None, str, bool]] = collections.deque(
+            maxlen=RECENT_RESULTS_MAX)
         self.marker_ttl_s = int(settings.caps.wall_s + settings.kill_grace_s + settings.cleanup_timeout_s + 60)
 
     @property
@@ -111,6 +122,7 @@ class StreamWorker:
             await self.pool.start()
         try:
             await ensure_group(self._r, self.keys)
+            self._run_id = (await self._r.info("server"))["run_id"]
             await self._beat()
         except RedisError as exc:
             if self._own_pool:
@@ -228,6 +240,7 @@ class StreamWorker:
                     continue
                 logger.warning("the consumer group is gone (Redis restarted?); creating it again")
                 try:
+                    await self._restore_if_restarted()
                     await ensure_group(self._r, self.keys)
                 except RedisError:
                     await asyncio.sleep(delay)
@@ -375,6 +388,10 @@ class StreamWorker:
             try:
                 await self._scripts.finish(job.entry, job.key, job.reply, job.call_id, encoded, result.started,
                                            int(self.settings.results_ttl_s))
+                now = time.monotonic()
+                self._recent.append((now, job.entry, job.key, job.reply, job.call_id, encoded, result.started))
+                while self._recent and self._recent[0][0] < now - RECENT_RESULTS_S:
+                    self._recent.popleft()
                 break
             except RedisError as exc:
                 if time.monotonic() > deadline:
@@ -386,7 +403,31 @@ class StreamWorker:
 
     # --- liveness and reclaiming ----------------------------------------------------------------
 
+    async def _restore_if_restarted(self) -> None:
+        """If Redis came back as a new server (its data gone), put back what this worker knows: the
+        started marker of every job it holds (so no gateway takes one of them for never started, and
+        no other worker runs it), the results it wrote lately (they may not have been read), and
+        then its `restored` key, which gateways wait for before they answer lost calls."""
+        run_id = (await self._r.info("server"))["run_id"]
+        if run_id == self._run_id:
+            return
+        await ensure_group(self._r, self.keys)
+        jobs = list(self._held.values())
+        async with self._r.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.set(self.keys.started(job.key), self.name, ex=self.marker_ttl_s)
+                job.marked = True
+            await pipe.execute()
+        for _, entry, key, reply, call_id, encoded, started in list(self._recent):
+            await self._scripts.finish(entry, key, reply, call_id, encoded, started, int(self.settings.results_ttl_s))
+        await self._r.set(self.keys.restored(self.name), run_id, ex=RESTORED_TTL_S)
+        self._run_id = run_id
+        logger.warning("Redis restarted without its data: restored %d jobs' markers and %d recent results",
+                       len(jobs), len(self._recent),
+                       extra={"event": "redis_restored", "jobs": len(jobs), "results": len(self._recent)})
+
     async def _beat(self) -> None:
+        await self._restore_if_restarted()
         pool = self.pool
         stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, pool.calls_started)
         async with self._r.pipeline(transaction=True) as pipe:
