@@ -181,7 +181,8 @@ async def test_the_dead_workers_pending_jobs_are_reclaimed(
                 got = await r.blmpop(0.1, 1, reply, direction="RIGHT", count=10)
                 for item in got[1] if got else []:
                     job, _, body = item.partition("\n")
-                    results[job] = ExecResult.model_validate_json(body)
+                    if not body.startswith("@"):  # not a worker's "started" notice
+                        results[job] = ExecResult.model_validate_json(body)
                 if len(results) == 3:
                     break
         finally:
@@ -541,7 +542,7 @@ async def test_after_redis_loses_its_data_only_calls_that_ran_say_started(prefix
         server.kill()
 
 
-async def test_a_worker_killed_with_redis_leaves_only_its_own_calls_unknown(prefix: str, tmp_path: Path) -> None:
+async def test_a_worker_killed_with_redis_leaves_only_the_calls_it_started_unknown(prefix: str, tmp_path: Path) -> None:
     server = start_redis()
     survivor = WorkerProcess(server, prefix, tmp_path / "survivor.log", slots=1)
     doomed = WorkerProcess(server, prefix, tmp_path / "doomed.log", slots=1)
@@ -559,12 +560,14 @@ async def test_a_worker_killed_with_redis_leaves_only_its_own_calls_unknown(pref
         server.start().wait_ready()
         first = await asyncio.wait_for(batch, 120)
         ran = Counter(survivor.started_ids()) + Counter(doomed.started_ids())
-        for r in first:  # never "not started" for a call that ran
-            assert r.started or r.id not in ran, r
+        said_started = {r.id for r in first if r.started}
+        # Never "not started" for a call that ran; "may have run" only for what the dead worker
+        # had marked started (what ran, or what its one slot had just claimed).
+        assert set(ran) <= said_started and len(said_started - set(ran)) <= 1, (said_started, ran)
+        for r in first:
             if r.started and r.status != "ok":
-                assert r.status == "internal_error", r
-                assert "did not come back" in (r.message or "") or "died" in (r.message or ""), r
-        assert sum(r.status == "ok" for r in first) >= sum(r.id in ran for r in first) - 2  # the doomed one's
+                assert r.status == "internal_error" and "did not come back" in (r.message or ""), r
+        assert sum(not r.started for r in first) >= 30, Counter(r.status for r in first)
         # The client sends again only what surely never ran: nothing runs twice.
         await _resend_until_run(queue, requests, first)
         after = Counter(survivor.started_ids()) + Counter(doomed.started_ids())

@@ -62,7 +62,7 @@ def from_settings(settings: GatewaySettings) -> RedisQueue:
 class _Call:
     """One call this gateway wrote to the stream and has not answered yet."""
 
-    __slots__ = ("key", "request", "fingerprint", "future", "entry", "timer", "accepted")
+    __slots__ = ("key", "request", "fingerprint", "future", "entry", "timer", "accepted", "started_by")
 
     def __init__(self, request: ExecRequest, future: asyncio.Future[ExecResult], accepted: float) -> None:
         self.accepted = accepted  # time.monotonic() when the gateway took the call
@@ -72,6 +72,7 @@ class _Call:
         self.future = future
         self.entry = ""
         self.timer: asyncio.TimerHandle | None = None
+        self.started_by: str | None = None  # the worker that marked it started, as it told us
 
     def answer(self, result: ExecResult) -> None:
         if self.timer is not None:
@@ -342,6 +343,11 @@ class RedisQueue:
                 continue
             for item in got[1]:
                 job, _, body = item.partition("\n")
+                if body.startswith("@"):  # a worker started the job
+                    started = self._waiting.get(job)
+                    if started is not None:
+                        started.started_by = body[1:]
+                    continue
                 call = self._waiting.pop(job, None)
                 if call is None:
                     continue  # answered already (cancelled, lost in a restart) or another gateway's
@@ -381,10 +387,11 @@ class RedisQueue:
 
     async def _answer_lost_calls(self) -> None:
         """After Redis came back without its data: once the workers that were alive have put back
-        the markers of the jobs they hold (or were given up for dead), a call with neither its job
-        nor a marker never started: it is answered `overloaded`, `started: false`, so that its
-        client sends it again. Only if a worker did not come back (it may have started such a call
-        and died) are those calls answered as possibly run."""
+        the markers of the jobs they hold and written their recent results again (or were given up
+        for dead), a call with neither its job, a marker nor a result never started, unless a worker
+        told this gateway it started it (a ``@WORKER`` line): the others are answered `overloaded`,
+        `started: false`, so that their clients send them again; those a worker started (it died with
+        Redis) may have run."""
         expected = set(self._workers_seen)
         settings = self.settings
         deadline = time.monotonic() + settings.worker_dead_after_s + 2 * settings.heartbeat_s
@@ -410,9 +417,10 @@ class RedisQueue:
             if found[2 * i] or found[2 * i + 1] or call.key not in self._waiting:
                 continue
             self._waiting.pop(call.key, None)
-            if missing:
-                call.answer(self._lost(call.request, f"Redis restarted and lost the call, and worker(s) "
-                                                     f"{', '.join(missing)} did not come back"))
+            if call.started_by is not None:  # its worker told us it started it, and has no marker now
+                why = "did not come back" if call.started_by in missing else "holds it no more"
+                call.answer(self._lost(call.request, f"Redis restarted and lost the call, and the worker that "
+                                                     f"started it ({call.started_by}) {why}"))
                 lost += 1
             else:
                 call.answer(ExecResult(id=call.request.id, status=Status.overloaded, started=False,
@@ -420,7 +428,7 @@ class RedisQueue:
                                                "not run: send it again"))
                 unrun += 1
         if lost or unrun:
-            logger.error("Redis restarted: %d calls never started (answered overloaded), %d may have run",
+            logger.error("Redis restarted: %d lost calls never started (answered overloaded), %d may have run",
                          unrun, lost, extra={"event": "calls_lost", "calls": lost, "unrun": unrun})
 
     @staticmethod

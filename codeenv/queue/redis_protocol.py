@@ -21,6 +21,9 @@ The keys, all under one prefix (default ``codeenv``):
 The contract: a job runs only after a worker set its ``started`` marker (SET NX) with a slot already
 held; whoever sets the marker first owns the job. A gateway cancels a job only by setting the marker
 to `Marker.cancelled` first. So a job claimed twice runs once, and a cancelled job never runs.
+Setting the marker also tells the job's gateway, in the same script: a line ``JOB`` newline
+``@WORKER`` in its reply list (ahead of the result's ``JOB`` newline ``RESULT``), so that a gateway
+knows which worker started each of its calls even after Redis loses its data.
 
 Every script takes the names of the keys it touches as KEYS (built here, by `Keys`) and the marker
 values as ARGV: no script builds a key name or spells a marker of its own. Needs a single Redis (or
@@ -148,11 +151,25 @@ if not got then return out end
 for _, e in ipairs(got[1][2]) do
   local fields = e[2]
   local marked = redis.call('SET', ARGV[5] .. fields[2], ARGV[2], 'NX', 'EX', ARGV[4])
+  if marked then  -- tell the job's gateway who started it (its reply key leads the payload)
+    local reply = string.match(fields[4], '^{"job":"[^"]*","reply":"([^"]*)"')
+    if reply then redis.call('LPUSH', reply, fields[2] .. '\\n@' .. ARGV[2]) end
+  end
   out[#out + 1] = e[1]
   out[#out + 1] = fields[4]
   out[#out + 1] = marked and 1 or 0
 end
 return out
+"""
+
+# KEYS: the job's started key, its gateway's reply list. ARGV: the worker, marker_ttl_s, the job.
+# Marks the job started by the worker unless someone else had (1, else 0), and tells the gateway.
+_MARK = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('LPUSH', KEYS[2], ARGV[3] .. '\\n@' .. ARGV[1])
+  return 1
+end
+return 0
 """
 
 # KEYS: the jobs stream, then the started key per job. ARGV: group, consumer, then (entry, job,
@@ -227,6 +244,7 @@ class Scripts:
         self._claim = r.register_script(_CLAIM)
         self._hand_back = r.register_script(_HAND_BACK)
         self._finish = r.register_script(_FINISH)
+        self._mark = r.register_script(_MARK)
 
     async def submit(self, calls: list[NewCall], max_queued: int, call_ttl_s: int) -> list[str]:
         """Per call: its new entry id, "fingerprint job entry" of the call its id names, or "" (full)."""
@@ -257,6 +275,10 @@ class Scripts:
         for entry, job, payload in jobs:
             args += [entry, job, payload]
         return int(await self._hand_back(keys=keys, args=args))
+
+    async def mark(self, job: str, reply: str, worker: str, marker_ttl_s: int) -> bool:
+        """Mark a job started by `worker` unless someone else had; tell its gateway."""
+        return bool(await self._mark(keys=[self.keys.started(job), reply], args=[worker, marker_ttl_s, job]))
 
     async def finish(self, entry: str, job: str, reply: str, call_id: str | None, result_json: str,
                      started: bool, results_ttl_s: int) -> None:

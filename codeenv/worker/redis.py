@@ -348,7 +348,7 @@ class StreamWorker:
             # Called again if a zygote died before the call started (it then runs on another slot).
             if job.marked:
                 pass
-            elif not await self._r.set(started_key, self.name, nx=True, ex=self.marker_ttl_s):
+            elif not await self._scripts.mark(job.key, job.reply, self.name, self.marker_ttl_s):
                 owner = await self._r.get(started_key)
                 if owner != self.name or job.key in self._ran:
                     raise _NotOurs
