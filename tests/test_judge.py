@@ -366,6 +366,9 @@ async def test_batch_and_stream(api: httpx.AsyncClient) -> None:
     results = r.json()["results"]
     assert [(x["id"], x["status"]) for x in results] == [("good", "passed"), ("empty", "rejected"), ("wrong", "failed")]
     assert "at least one test" in results[1]["message"]
+    odd = await api.post("/v1/judge/batch", headers={"Content-Type": "application/json"},
+                         content=json.dumps({"requests": [{"code": ADD, "tests": [], "id": "\ud800"}]}))
+    assert odd.status_code == 200 and odd.json()["results"][0]["id"] is None  # an id nothing could send back
     r = await api.post("/v1/judge/stream", json={"requests": items})
     lines = [json.loads(line) for line in r.text.splitlines()]
     assert lines[0] == {"accepted": 3}

@@ -7,16 +7,13 @@ the request is admitted (422 for a bad one) and the call's result becomes a Judg
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from codeenv.admission import judge_call
-from codeenv.api.guard import JSON_BODY
 from codeenv.api.native import body_schema
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, validation_errors
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, batch_items, merge, parse, rejected
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
 
@@ -65,24 +62,16 @@ def router(gateway: Gateway) -> APIRouter:
         return Response(_encode(result), code, headers, media_type="application/json")
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
-        body = request.scope[JSON_BODY]
-        items = body.get("requests") if isinstance(body, dict) else None
-        if not isinstance(items, list):
-            raise ApiError(422, "the body must be an object with a list under 'requests'")
-        if len(items) > settings.max_batch:
-            raise ApiError(422, f"a batch holds at most {settings.max_batch} submissions; this one has {len(items)}")
         valid: list[ExecRequest] = []
         refused: list[ExecResult | None] = []
-        for item in items:
-            call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+        for item in batch_items(request, settings.max_batch, "submissions"):
             try:
                 valid.append(judge_call(JudgeRequest.model_validate(item), settings))
                 refused.append(None)
             except ValidationError as exc:
-                refused.append(ExecResult(id=call_id, status=Status.rejected,
-                                          message=json.dumps(validation_errors(exc))))
+                refused.append(rejected(item, exc))
             except InvalidRequest as exc:
-                refused.append(ExecResult(id=call_id, status=Status.rejected, message=str(exc)))
+                refused.append(rejected(item, str(exc)))
         return valid, refused
 
     @api.post("/v1/judge/batch", response_model=JudgeBatchResponse, openapi_extra=body_schema("JudgeBatchRequest"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -11,8 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from codeenv.api.guard import JSON_BODY
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, refusal, validation_errors
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, batch_items, merge, parse, refusal, rejected
 from codeenv.errors import ApiError, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 
@@ -39,14 +37,6 @@ def body_schema(model: str) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
 def _json(result: ExecResult, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(result.encoded(), status_code, headers, media_type="application/json")
 
@@ -70,24 +60,14 @@ def router(gateway: Gateway) -> APIRouter:
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
         """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
-        body = request.scope[JSON_BODY]
-        items = body.get("requests") if isinstance(body, dict) else None
-        if not isinstance(items, list):
-            raise ApiError(422, "the body must be an object with a list under 'requests'")
-        if len(items) > settings.max_batch:
-            raise ApiError(422, f"a batch holds at most {settings.max_batch} calls; this one has {len(items)}")
         valid: list[ExecRequest] = []
         refused: list[ExecResult | None] = []
-        for item in items:
+        for item in batch_items(request, settings.max_batch):
             try:
                 valid.append(ExecRequest.model_validate(item))
                 refused.append(None)
             except ValidationError as exc:
-                call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
-                if call_id is not None and not _encodable(call_id):
-                    call_id = None
-                refused.append(ExecResult(id=call_id, status=Status.rejected,
-                                          message=json.dumps(validation_errors(exc))))
+                refused.append(rejected(item, exc))
         return valid, refused
 
     @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"))

@@ -5,6 +5,7 @@ body into a model, and the HTTP status each API gives a result."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -53,6 +54,29 @@ def parse[M: BaseModel](request: Request, model: type[M]) -> M:
         return model.model_validate(request.scope[JSON_BODY])
     except ValidationError as exc:
         raise ApiError(422, validation_errors(exc)) from None
+
+
+def batch_items(request: Request, max_batch: int, noun: str = "calls") -> list[Any]:
+    """The items of a batch body `{"requests": [...]}`; ApiError 422 for another shape or too many."""
+    body = request.scope[JSON_BODY]
+    items = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        raise ApiError(422, "the body must be an object with a list under 'requests'")
+    if len(items) > max_batch:
+        raise ApiError(422, f"a batch holds at most {max_batch} {noun}; this one has {len(items)}")
+    return items
+
+
+def rejected(item: Any, why: ValidationError | str) -> ExecResult:
+    """The `rejected` answer to one invalid item of a batch, under its id if it has a usable one."""
+    call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+    if call_id is not None:
+        try:
+            call_id.encode("utf-8")
+        except UnicodeEncodeError:  # e.g. a lone surrogate: nothing could send it back
+            call_id = None
+    message = why if isinstance(why, str) else json.dumps(validation_errors(why))
+    return ExecResult(id=call_id, status=Status.rejected, message=message)
 
 
 def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> list[ExecResult]:

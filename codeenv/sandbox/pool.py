@@ -418,6 +418,9 @@ class SlotPool:
             if self._open:
                 self._free.release(slot)
             return
+        self._clean_up_later(slot, zygote, problem)
+
+    def _clean_up_later(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -449,9 +452,7 @@ class SlotPool:
                 if self._open:
                     self._free.release(slot)
                 return
-        task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._clean_up_later(slot, zygote, problem)
 
     async def _cleanup(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         try:
