@@ -273,6 +273,11 @@ async def test_a_test_that_ends_the_submissions_process_is_judged_as_if_alone(ap
             "except ProcessLookupError:\n    pass\nprint(input())")
     result = await judge(api, code=code, tests=stdin_tests(("a", "a"), ("b", "b"), ("c", "x")))
     assert statuses(result) == ["passed", "passed", "wrong_answer"]
+    function = ("import os, signal, sys\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+                "    return [x, sys.stdin.read()]\n")  # alone too, with no input
+    result = await judge(api, code=function, fn_name="f", tests=[{"args": [1], "expected": [1, ""]},
+                                                                  {"args": [2], "expected": [3, ""]}])
+    assert statuses(result) == ["passed", "wrong_answer"] and result["tests"][1]["value"] == '[2, ""]'
 
 
 # --- function-call tests ------------------------------------------------------------------------------

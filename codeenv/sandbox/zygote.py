@@ -402,7 +402,7 @@ def _spare(sock):
         if len(fds) in CallFd.COUNTS:
             _report_setup_error(fds[CallFd.SETUP], exc)
         _hard_exit(SETUP_FAILED)
-    if msg.get("judge"):
+    if msg.get("judge") in JUDGE_SERVED:
         _judge_server(fds, msg, main)
     _child(fds, msg, main)
 
@@ -1052,7 +1052,7 @@ def _run(ctl, data, msg, fds, baseline):
                 if os.read(go_r, 1) != b"g":  # not before the worker has raised its OOM score
                     _hard_exit(SETUP_FAILED)
                 os.close(go_r)
-                if msg.get("judge"):
+                if msg.get("judge") in JUDGE_SERVED:
                     _judge_server(fds, msg, None)
                 _child(fds, msg)
             finally:
