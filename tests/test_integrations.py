@@ -32,6 +32,16 @@ async def service(pool: SlotPool) -> AsyncIterator[str]:
         yield url
 
 
+@pytest_asyncio.fixture(autouse=True)
+async def closed_clients() -> AsyncIterator[None]:
+    """The tools' client of this test's event loop is closed with it, as a rollout worker does."""
+    from codeenv.integrations.tool import close_background_clients, close_clients
+
+    yield
+    await close_clients()
+    await asyncio.to_thread(close_background_clients)
+
+
 @pytest.fixture(scope="module")
 def verl() -> None:
     load_verl()

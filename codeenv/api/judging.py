@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from codeenv.admission import judge_call
 from codeenv.api.native import body_schema
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, batch_items, merge, parse, rejected
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, split_batch
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
 
@@ -62,17 +62,8 @@ def router(gateway: Gateway) -> APIRouter:
         return Response(_encode(result), code, headers, media_type="application/json")
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
-        valid: list[ExecRequest] = []
-        refused: list[ExecResult | None] = []
-        for item in batch_items(request, settings.max_batch, "submissions"):
-            try:
-                valid.append(judge_call(JudgeRequest.model_validate(item), settings))
-                refused.append(None)
-            except ValidationError as exc:
-                refused.append(rejected(item, exc))
-            except InvalidRequest as exc:
-                refused.append(rejected(item, str(exc)))
-        return valid, refused
+        return split_batch(request, settings.max_batch,
+                           lambda item: judge_call(JudgeRequest.model_validate(item), settings), "submissions")
 
     @api.post("/v1/judge/batch", response_model=JudgeBatchResponse, openapi_extra=body_schema("JudgeBatchRequest"))
     async def judge_batch(request: Request) -> Response:

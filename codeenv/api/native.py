@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, batch_items, merge, parse, refusal, rejected
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, refusal, split_batch
 from codeenv.errors import ApiError, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 
@@ -60,15 +60,7 @@ def router(gateway: Gateway) -> APIRouter:
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
         """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
-        valid: list[ExecRequest] = []
-        refused: list[ExecResult | None] = []
-        for item in batch_items(request, settings.max_batch):
-            try:
-                valid.append(ExecRequest.model_validate(item))
-                refused.append(None)
-            except ValidationError as exc:
-                refused.append(rejected(item, exc))
-        return valid, refused
+        return split_batch(request, settings.max_batch, ExecRequest.model_validate)
 
     @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"))
     async def execute_batch(request: Request) -> Response:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
-from codeenv.errors import ApiError
+from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import CallQueue
 from codeenv.settings import GatewaySettings
@@ -56,15 +56,27 @@ def parse[M: BaseModel](request: Request, model: type[M]) -> M:
         raise ApiError(422, validation_errors(exc)) from None
 
 
-def batch_items(request: Request, max_batch: int, noun: str = "calls") -> list[Any]:
-    """The items of a batch body `{"requests": [...]}`; ApiError 422 for another shape or too many."""
+def split_batch(request: Request, max_batch: int, call: Callable[[Any], ExecRequest],
+                noun: str = "calls") -> tuple[list[ExecRequest], list[ExecResult | None]]:
+    """The calls of a batch body `{"requests": [...]}` (each item made one by `call`), and per item
+    None (valid) or its `rejected` result; ApiError 422 for another shape or too many items."""
     body = request.scope[JSON_BODY]
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list):
         raise ApiError(422, "the body must be an object with a list under 'requests'")
     if len(items) > max_batch:
         raise ApiError(422, f"a batch holds at most {max_batch} {noun}; this one has {len(items)}")
-    return items
+    valid: list[ExecRequest] = []
+    refused: list[ExecResult | None] = []
+    for item in items:
+        try:
+            valid.append(call(item))
+            refused.append(None)
+        except ValidationError as exc:
+            refused.append(rejected(item, exc))
+        except InvalidRequest as exc:
+            refused.append(rejected(item, str(exc)))
+    return valid, refused
 
 
 def rejected(item: Any, why: ValidationError | str) -> ExecResult:

@@ -154,6 +154,12 @@ _background: asyncio.AbstractEventLoop | None = None
 _background_lock = threading.Lock()
 
 
+def close_background_clients() -> None:
+    """Close the clients of the background loop that run_sync() uses (e.g. at a process's shutdown)."""
+    if _background is not None:
+        asyncio.run_coroutine_threadsafe(close_clients(), _background).result()
+
+
 def _background_loop() -> asyncio.AbstractEventLoop:
     global _background
     with _background_lock:

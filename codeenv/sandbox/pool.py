@@ -352,9 +352,7 @@ class SlotPool:
                         outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch,
                                                    display_last=request.display_last)
             except _DeadlinePassed:
-                zygote.busy = False  # nothing ran: the slot goes back as it is
-                if self._open:
-                    self._free.release(slot)
+                self._give_back(slot, zygote)  # nothing ran: the slot goes back as it is
                 return self._finish(request, ExecResult(
                     status=Status.overloaded, started=False,
                     message=f"the call could not start within its deadline of {request.deadline_s:g}s; not run",
@@ -414,11 +412,15 @@ class SlotPool:
     def _release_checked(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         """Return a slot whose jail was checked already (None), or recycle it first."""
         if problem is None:
-            zygote.busy = False
-            if self._open:
-                self._free.release(slot)
-            return
-        self._clean_up_later(slot, zygote, problem)
+            self._give_back(slot, zygote)
+        else:
+            self._clean_up_later(slot, zygote, problem)
+
+    def _give_back(self, slot: Slot, zygote: ZygoteProcess) -> None:
+        """The slot is free again (its jail is as a call needs it)."""
+        zygote.busy = False
+        if self._open:
+            self._free.release(slot)
 
     def _clean_up_later(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
         task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
@@ -448,9 +450,7 @@ class SlotPool:
             except Exception as exc:  # e.g. a cgroup file that cannot be read: recycle
                 problem = f"checking the jail failed: {exc!r}"
             if problem is None:
-                zygote.busy = False
-                if self._open:
-                    self._free.release(slot)
+                self._give_back(slot, zygote)
                 return
         self._clean_up_later(slot, zygote, problem)
 
@@ -464,9 +464,7 @@ class SlotPool:
             logger.error("%s could not be restarted: %r", slot.worker, exc)
             await asyncio.sleep(1)
         finally:
-            zygote.busy = False
-            if self._open:
-                self._free.release(slot)
+            self._give_back(slot, zygote)
 
     def _zygote_died(self, zygote: ZygoteProcess) -> None:
         """A zygote's control socket closed: replace it at once unless a call is handling that."""

@@ -514,6 +514,26 @@ def _fetch_files(list_fd, out_fd):
     os.pwrite(out_fd, index, 0)
 
 
+def _report_uncaught(report, exc):
+    """An uncaught exception of the program: in the report (type, message, line) and on stderr, as
+    the interpreter prints it (through the program's own excepthook, if it set one)."""
+    try:
+        _write_report(report, {"error": _exception_report(exc)})
+    except BaseException:
+        pass
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    try:
+        if sys.excepthook is sys.__excepthook__:
+            # 3.12's built-in hook reads source lines from disk, not from linecache.
+            import traceback
+
+            traceback.print_exception(type(exc), exc.with_traceback(tb), tb, file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    except BaseException:
+        pass
+
+
 def _report_setup_error(setup_fd, exc):
     # The setup memfd is closed before user code runs, so only a real setup failure (never the
     # program) can report one: the worker turns it into internal_error.
@@ -594,21 +614,7 @@ def _child(fds, limits, main=None):
         status = _exit_code(exc)
     except BaseException as exc:
         status = 1
-        try:
-            _write_report(report, {"error": _exception_report(exc)})
-        except BaseException:
-            pass
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-        try:
-            if sys.excepthook is sys.__excepthook__:
-                # 3.12's built-in hook reads source lines from disk, not from linecache.
-                import traceback
-
-                traceback.print_exception(type(exc), exc.with_traceback(tb), tb, file=sys.stderr)
-            else:
-                sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        except BaseException:
-            pass
+        _report_uncaught(report, exc)
     _hard_exit(_finalize(status))
 
 
@@ -707,17 +713,7 @@ def _test_child(fds, msg, main, compiled, mode, fn_name):
         status = _exit_code(exc)
     except BaseException as exc:
         status = 1
-        try:
-            _write_report(report, {"error": _exception_report(exc)})
-        except BaseException:
-            pass
-        try:
-            import traceback
-
-            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-            traceback.print_exception(type(exc), exc.with_traceback(tb), tb, file=sys.stderr)
-        except BaseException:
-            pass
+        _report_uncaught(report, exc)
     _hard_exit(_finalize(status))
 
 

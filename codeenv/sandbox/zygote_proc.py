@@ -241,15 +241,29 @@ class _CallFiles:
     report and setup memfds, and the fetched-files memfd. Everything is closed on every path out."""
 
     def __init__(self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]] | None,
-                 fetch: list[str] | None, fetch_bytes: int, report_bytes: int = REPORT_BYTES) -> None:
+                 fetch: list[str] | None, fetch_bytes: int, report_bytes: int = REPORT_BYTES,
+                 shared: Submission | None = None) -> None:
+        """`shared`: a judged test's fds; its empty code (arguments) memfd, report and setup memfds
+        are the submission's (dup'd to send), only its input and output pipes are its own."""
         self.theirs: list[int] = []
         self._ours: list[int] = []
         self._drains: list[_Drain] = []
         self.fetched: int | None = None
         try:
-            self.theirs += [_sealed_memfd("code", code), _sealed_memfd("stdin", stdin)]
+            if shared is None:
+                self.theirs.append(_sealed_memfd("code", code))
+            else:
+                self.theirs.append(_sealed_memfd("args", code) if code else os.dup(shared.no_args))
+            self.theirs.append(_sealed_memfd("stdin", stdin))
             self.stdout, self.stderr = (self._pipe() for _ in range(2))
-            self.report, self.setup = self._memfd("report", report_bytes), self._memfd("setup", REPORT_BYTES)
+            if shared is None:
+                self.report, self.setup = self._memfd("report", report_bytes), self._memfd("setup", REPORT_BYTES)
+            else:
+                if report_bytes > shared.report_bytes:
+                    os.ftruncate(shared.report_fd, report_bytes)
+                    shared.report_bytes = report_bytes
+                self.report, self.setup = shared.report_fd, shared.setup_fd
+                self.theirs += [os.dup(shared.report_fd), os.dup(shared.setup_fd)]
             if files or fetch:
                 self.theirs += [_sealed_memfd("files", _pack_files(files or [])),
                                 _sealed_memfd("fetch", json.dumps(fetch or []).encode())]
@@ -932,7 +946,7 @@ class Submission:
             with contextlib.suppress(OSError):
                 self.sock.send(b'{"op":"kill"}')
 
-        with _TestFiles(self, args, stdin, report_bytes) as files:
+        with _CallFiles(args, stdin, None, None, 0, report_bytes, shared=self) as files:
             try:
                 socket.send_fds(self.sock, [json.dumps({
                     "op": "test", "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
@@ -1021,28 +1035,6 @@ class Submission:
                 os.close(fd)
             self.outcome = out
         return out
-
-
-class _TestFiles(_CallFiles):
-    """The fds of one test, in `CallFd` order: its arguments (the submission's shared empty memfd
-    for a stdin test), its input, its output pipes, and the submission's report and setup memfds."""
-
-    def __init__(self, sub: Submission, args: bytes, stdin: bytes, report_bytes: int) -> None:
-        self.theirs = []
-        self._ours = []
-        self._drains = []
-        self.fetched = None
-        try:
-            if report_bytes > sub.report_bytes:
-                os.ftruncate(sub.report_fd, report_bytes)
-                sub.report_bytes = report_bytes
-            self.theirs += [_sealed_memfd("args", args) if args else os.dup(sub.no_args), _sealed_memfd("stdin", stdin)]
-            self.stdout, self.stderr = (self._pipe() for _ in range(2))
-            self.theirs += [os.dup(sub.report_fd), os.dup(sub.setup_fd)]
-        except BaseException:
-            self.close_theirs()
-            self.close()
-            raise
 
 
 def _take_report(fd: int, limit: int) -> dict[str, Any] | None:
