@@ -11,6 +11,7 @@ Hierarchy::
     ├── ImageError               a sandbox image is missing, malformed or failed to build
     ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
     │   └── ZygoteDied           a zygote (or its nsjail) is gone; says whether its call had started
+    ├── SessionError             a session request cannot be served: unknown (404), ended (410), ...
     ├── PoolClosed               the slot pool is not running (not started, or shutting down)
     ├── PoolFailed               the pool process of `serve --processes N` kept dying: serve gives up
     ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
@@ -85,3 +86,21 @@ class QueueUnavailable(CodeenvError):
 
 class BenchError(CodeenvError):
     """`codeenv bench` cannot run: a target that is down or speaks another API, a failing round."""
+
+
+class SessionError(CodeenvError):
+    """A session request that cannot be served; `status` is the HTTP status that says why."""
+
+    def __init__(self, message: str, status: int, result_status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.result_status = result_status
+
+
+def session_not_found(session_id: str) -> SessionError:
+    return SessionError(f"no session {session_id[:80]!r}: it never existed here (create one with POST /v1/sessions)",
+                        404)
+
+
+def session_lost(session_id: str, why: str) -> SessionError:
+    return SessionError(f"session {session_id[:80]!r} has ended: {why}", 410, "session_lost")

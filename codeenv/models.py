@@ -24,12 +24,13 @@ class Status(StrEnum):
     overloaded = "overloaded"
     internal_error = "internal_error"
     rejected = "rejected"
+    session_lost = "session_lost"  # the session ended (expired, evicted, its worker restarted, or lost mid-cell)
 
 
 #: Verdicts that are the program's doing (a tool error, from the model's point of view).
 PROGRAM_FAILURES = frozenset({Status.error, Status.timeout, Status.memory, Status.output_limit, Status.killed})
 #: Verdicts that are the service's doing: not held against the model.
-SERVICE_FAULTS = frozenset({Status.overloaded, Status.internal_error, Status.rejected})
+SERVICE_FAULTS = frozenset({Status.overloaded, Status.internal_error, Status.rejected, Status.session_lost})
 
 
 class LimitName(StrEnum):
@@ -117,6 +118,19 @@ class ExecRequest(BaseModel):
     display_last: bool = Field(False, description="report the repr of the last top-level expression as "
                                                   "`value` (Jupyter's Out[n])")
     judge: JudgeSpec | None = Field(None, description="set by /v1/judge: run the code against these tests")
+    session: Text | None = Field(None, max_length=200, description="run as the next cell of this live session "
+                                                                  "(POST /v1/sessions); its value is reported")
+    cell_id: Text | None = Field(None, max_length=128, description="with session: a retried cell with the same "
+                                                                  "id gets the first one's result, never runs twice")
+
+    @model_validator(mode="after")
+    def _session_cell(self) -> ExecRequest:
+        if self.cell_id is not None and self.session is None:
+            raise ValueError("cell_id needs a session")
+        if self.session is not None and (self.files or self.fetch_files or self.judge is not None):
+            raise ValueError("a session's cell takes no files, fetch_files or judge: its files live in the "
+                             "session's work dir")
+        return self
 
 
 class ErrorInfo(BaseModel):
@@ -155,6 +169,11 @@ class ExecResult(BaseModel):
     value: str | None = Field(None, description="with display_last: the repr of the last top-level expression, "
                                                 "if it was one and not None (at most 8,192 characters)")
     judge: JudgeOutcome | None = Field(None, description="a judged call's tests (see /v1/judge)")
+    session: str | None = Field(None, description="the session this cell ran in")
+    execution_count: int | None = Field(None, description="a session's cell number (Jupyter's In[n]/Out[n])")
+    rolled_back: bool | None = Field(None, description="a session's cell stopped by a limit: the session is as "
+                                                       "before it (its written files stay, see written_files)")
+    written_files: list[str] | None = Field(None, description="files a rolled-back cell wrote; they remain")
 
     _encoded: str | None = PrivateAttr(None)
 

@@ -95,6 +95,16 @@ class SandboxSettings(BaseSettings):
                                                              "in one judged submission")
     judge_max_total_wall_s: float = Field(900, gt=0, description="most wall-clock seconds for all tests of one "
                                                                  "judged submission")
+    sessions_max: int = Field(1000, ge=0, le=50_000, description="live sessions (forks included) a worker may "
+                              "hold; past it a new one is overloaded. 0: no sessions")
+    session_forks_max: int = Field(64, ge=1, description="sessions in one family (a session and its forks)")
+    session_idle_ttl_s: float = Field(600, gt=0, description="a session idle this long ends (default 10 minutes)")
+    session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")
+    session_memory_mb: int = Field(1024, gt=0, description="memory cap of one family (a session and its forks), "
+                                   "its processes and files together")
+    session_workdir_mb: int = Field(64, gt=0, description="size of a family's work dir (tmpfs)")
+    session_min_available_mb: int = Field(512, ge=0, description="below this much available memory, the least "
+                                          "recently used idle session is evicted before a new one starts")
     zygote_start_timeout_s: float = Field(120, gt=0)
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")

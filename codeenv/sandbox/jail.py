@@ -7,6 +7,7 @@ child; what is set here bounds the long-lived zygote itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -28,10 +29,11 @@ WORKDIR = "/work"
 NATIVE_ARCH = {"x86_64": seccomp.AUDIT_ARCH_X86_64, "aarch64": seccomp.AUDIT_ARCH_AARCH64}.get(platform.machine())
 
 
-def seccomp_policy(settings: SandboxSettings, image: Image) -> str:
+def seccomp_policy(settings: SandboxSettings, image: Image, sessions: bool = False) -> str:
     if settings.seccomp == "legacy":
         return seccomp.LEGACY_POLICY
-    return seccomp.policy(settings.seccomp, seccomp.read_allowlist(seccomp.syscalls_file(image.spec.name)))
+    return seccomp.policy(settings.seccomp, seccomp.read_allowlist(seccomp.syscalls_file(image.spec.name)),
+                          sessions=sessions)
 
 
 def abi_filter_hex(settings: SandboxSettings) -> str:
@@ -135,6 +137,41 @@ def jail_config(
             path=f"/usr/local/bin/python{image.spec.python}",
             arg=["-s", "-B", f"{ZYGOTE_DIR}/zygote.py", json.dumps(zygote_config)],
         ),
+    )
+
+
+#: Inside uid of a session jail's first family; family k runs as FAMILY_UID + k inside the jail.
+FAMILY_UID = 10000
+#: What a session jail's zygote keeps (in the jail's user namespace only) to set families up.
+SESSION_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_SYS_ADMIN", "CAP_NET_ADMIN"]
+
+
+def family_filter_hex(settings: SandboxSettings) -> str:
+    """The filter each family's supervisor stacks once it has set the family up."""
+    if settings.seccomp == "legacy" or NATIVE_ARCH is None:
+        return ""
+    return seccomp.family_filter(NATIVE_ARCH).hex()
+
+
+def session_jail_config(
+    settings: SandboxSettings, image: Image, profile: Profile, zygote_dir: Path, root_uid: int,
+    family_uid: int, families: int, ctl_fd: int = CTL_FD,
+) -> NsJailConfig:
+    """The nsjail config of a session jail: its zygote runs as the jail's root (host uid `root_uid`)
+    with the capabilities that set up families; family k runs as host uid `family_uid + k`."""
+    config = jail_config(settings, image, profile, zygote_dir, root_uid, ctl_fd)
+    assert config.exec_bin is not None and config.exec_bin.arg is not None
+    zygote_config = json.loads(config.exec_bin.arg[-1])
+    zygote_config.update(sessions=True, prefork=False)
+    ids = [IdMap(inside_id="0", outside_id=str(root_uid), count=1),
+           IdMap(inside_id=str(FAMILY_UID), outside_id=str(family_uid), count=families)]
+    # The jail's own work dir only holds the families' mount points: its root owns it.
+    mounts = [dataclasses.replace(m, options="size=1m,nr_inodes=1000,mode=0755,uid=0,gid=0")
+              if m.dst == WORKDIR else m for m in config.mount]
+    return dataclasses.replace(
+        config, name=f"codeenv-sessions-{profile.name}", uidmap=ids, gidmap=ids, keep_caps=False, mount=mounts,
+        cap=SESSION_CAPS, seccomp_string=[seccomp_policy(settings, image, sessions=True)],
+        exec_bin=Exe(path=config.exec_bin.path, arg=[*config.exec_bin.arg[:-1], json.dumps(zygote_config)]),
     )
 
 

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
 import shutil
 import socket
 import time
@@ -36,6 +37,7 @@ from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
+from codeenv.sandbox.sessions import SessionManager
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
 from codeenv.sandbox.uids import UidBlock, check_uids_free, claim_block
 from codeenv.sandbox.verdict import classify
@@ -49,6 +51,10 @@ SUPERVISE_EVERY_S = 5.0
 _pool_ids = itertools.count()
 #: Attempts for a call whose zygote died before it started (it is safe to run it elsewhere).
 MAX_DISPATCH = 3
+#: Host uids of a pool's block past its slots': its session jails' roots (one per profile), then its
+#: families' uids (CODEENV_SESSIONS_MAX of them).
+SESSION_ROOT_UIDS = 1024
+FAMILY_UIDS = 2048
 
 
 def nsjail_binary(settings: SandboxSettings) -> Path:
@@ -155,6 +161,7 @@ class SlotPool:
         #: Slot i runs as host uid uid_base + i: settings.uid_base, or the block claimed at start.
         self.uid_base = self.settings.uid_base or 0
         self._uids: UidBlock | None = None
+        self.sessions: SessionManager | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -167,6 +174,7 @@ class SlotPool:
 
     async def start(self) -> None:
         settings = self.settings
+        _raise_open_files()  # each session family holds a socket, a pidfd and its cgroup's files
         self.image = await asyncio.to_thread(ensure_image, settings, self.progress)
         nsjail = nsjail_binary(settings)
         _remove_stale_runtime(settings.runtime_dir)
@@ -217,6 +225,11 @@ class SlotPool:
             raise
         for slot in self.slots:
             self._free.release(slot)
+        self.sessions = SessionManager(
+            settings, self.image, self._tree, self.uid_base + SESSION_ROOT_UIDS, self.uid_base + FAMILY_UIDS, nsjail,
+            self._runtime, zygote_dir, self.worker,
+            lambda request, result, profile: self._finish(request, result, None, profile, 0.0))
+        self.sessions.start()
         self._check_measured_memory(plan)
         self._open = True
         self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
@@ -238,6 +251,8 @@ class SlotPool:
     async def close(self) -> None:
         self._open = False
         self._free.close()
+        if self.sessions is not None:
+            await self.sessions.close()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(BaseException):
@@ -307,6 +322,11 @@ class SlotPool:
         """
         if not self._open:
             raise PoolClosed("the slot pool is not running")
+        if request.session is not None:
+            assert self.sessions is not None
+            if on_dispatch is not None:
+                on_dispatch()
+            return await self.sessions.execute(request, time.monotonic() if accepted_at is None else accepted_at)
         code, stdin, limits, profile = self.resolve(request)
         files = decoded_files(request, self.settings) if request.files else None
         fetch = list(dict.fromkeys(request.fetch_files)) or None
@@ -521,3 +541,10 @@ def _check_traversable(path: Path) -> None:
                 f"{parent} is not world-traversable (mode {mode & 0o777:o}); jails cannot mount "
                 f"{path} from there. Set CODEENV_STATE_DIR to a directory like /var/lib/codeenv"
             )
+
+
+def _raise_open_files() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -126,13 +126,24 @@ def read_allowlist(path: Path) -> list[str]:
     return sorted(set(names))
 
 
-def policy(mode: str, allowed: list[str]) -> str:
-    """The Kafel policy of a jail in `mode` with the image's `allowed` calls."""
+#: What a session jail's zygote and its families' supervisors need on top of a call jail's list, to
+#: give each family its namespaces, mounts and uid. Each supervisor stacks `family_filter` before any
+#: session process exists, so no user code can make these calls (they kill it, or answer ENOSYS).
+SESSION_SETUP = ("unshare", "mount", "setresuid", "setresgid", "setgroups")
+
+
+def policy(mode: str, allowed: list[str], sessions: bool = False) -> str:
+    """The Kafel policy of a jail in `mode` with the image's `allowed` calls (of a session jail:
+    with SESSION_SETUP allowed too)."""
     if mode == "legacy":
         return LEGACY_POLICY
     if mode not in MODES:
         raise ValueError(f"unknown seccomp mode {mode!r}; choose from {', '.join(MODES)}")
-    lines = ["POLICY codeenv_killed {", f"  KILL_PROCESS {{ {', '.join(KILLED)} }},",
+    killed: tuple[str, ...] = KILLED
+    if sessions:
+        killed = tuple(name for name in KILLED if name not in SESSION_SETUP)
+        allowed = sorted({*allowed, *SESSION_SETUP})
+    lines = ["POLICY codeenv_killed {", f"  KILL_PROCESS {{ {', '.join(killed)} }},",
              f"  KILL_PROCESS {{ {', '.join(KILLED_WHEN)} }}", "}", "POLICY codeenv_refused {"]
     lines.append(",\n".join(f"  ERRNO({errno}) {{ {', '.join(rules)} }}" for errno, rules in REFUSED_WHEN.items()))
     lines += ["}", "POLICY codeenv_allowed {", f"  ALLOW {{ {', '.join(allowed)} }}", "}"]
@@ -148,6 +159,7 @@ AUDIT_ARCH_AARCH64 = 0xC00000B7
 X32_SYSCALL_BIT = 0x40000000
 SECCOMP_RET_KILL_PROCESS = 0x80000000
 SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
 
 
 def abi_filter(arch: int) -> bytes:
@@ -167,4 +179,38 @@ def abi_filter(arch: int) -> bytes:
     if arch == AUDIT_ARCH_X86_64:
         program += [insn(jset_k, 0, 1, X32_SYSCALL_BIT), insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS)]
     program.append(insn(ret_k, 0, 0, SECCOMP_RET_ALLOW))
+    return b"".join(program)
+
+
+#: Numbers of the calls a family's filter refuses: (killed, ENOSYS), per audit arch.
+FAMILY_DENIED = {
+    # unshare, mount, umount2, setns, pivot_root, chroot | setuid, setgid, setreuid, setregid,
+    # setresuid, setresgid, setgroups, setfsuid, setfsgid
+    AUDIT_ARCH_X86_64: ((272, 165, 166, 308, 155, 161), (105, 106, 113, 114, 117, 119, 116, 122, 123)),
+    AUDIT_ARCH_AARCH64: ((97, 40, 39, 268, 41, 51), (146, 144, 145, 143, 147, 149, 159, 151, 152)),
+}
+
+
+def family_filter(arch: int) -> bytes:
+    """A classic BPF program a family's supervisor stacks on the session jail's policy once it has
+    set the family up: the calls that only the set-up needed kill (namespaces, mounts) or answer
+    ENOSYS (uid and gid changes), as in a call jail. Foreign ABIs are killed as by `abi_filter`."""
+
+    def insn(code: int, jt: int, jf: int, k: int) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    ld_w_abs, jeq_k, jset_k, ret_k = 0x20, 0x15, 0x45, 0x06
+    killed, enosys = FAMILY_DENIED[arch]
+    program = [insn(ld_w_abs, 0, 0, 4), insn(jeq_k, 1, 0, arch), insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS),
+               insn(ld_w_abs, 0, 0, 0)]
+    if arch == AUDIT_ARCH_X86_64:
+        program += [insn(jset_k, 0, 1, X32_SYSCALL_BIT), insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS)]
+    numbers = [*killed, *enosys]
+    # One comparison per number; a match jumps to the kill or the ENOSYS return at the end.
+    for i, nr in enumerate(numbers):
+        left = len(numbers) - i - 1  # comparisons after this one
+        target = left + 1 + (0 if nr in killed else 1)  # past the ALLOW: 1 = KILL, 2 = ENOSYS
+        program.append(insn(jeq_k, target, 0, nr))
+    program += [insn(ret_k, 0, 0, SECCOMP_RET_ALLOW), insn(ret_k, 0, 0, SECCOMP_RET_KILL_PROCESS),
+                insn(ret_k, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
     return b"".join(program)

@@ -522,6 +522,8 @@ def _report_uncaught(report, exc):
     except BaseException:
         pass
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # e.g. _exec_displaying_last
+        tb = tb.tb_next
     try:
         if sys.excepthook is sys.__excepthook__:
             # 3.12's built-in hook reads source lines from disk, not from linecache.
@@ -846,6 +848,684 @@ def _judge_server(fds, msg, main):
     _serve_tests(sock, main, compiled, mode, fn_name)
 
 
+# --- sessions: a family of live interpreters per fork of a session jail's zygote ---------------
+#
+# In a session jail the zygote runs as the jail's root (in the jail's user namespace; a host uid of
+# its own) and keeps CAP_SETUID, CAP_SETGID, CAP_SYS_ADMIN and CAP_NET_ADMIN there. It runs no
+# call. Per family (a session and its forks) it forks a supervisor in new pid, mount, network and
+# IPC namespaces: PID 1 of the family. The supervisor mounts the family's own /proc and work dir
+# (a tmpfs), brings up its loopback, drops to the family's uid (no capability survives), stacks a
+# seccomp filter that kills mount/unshare/set*id, and only then forks the first session process.
+# It runs no user code; user code cannot signal it (a namespace's init ignores signals it has no
+# handler for), trace it (the policy kills ptrace) or read it (non-dumpable).
+#
+# Family socket (worker <-> supervisor, SOCK_SEQPACKET):
+#
+#     worker -> sup  {"op": "go"}                                  the supervisor is in its cgroup
+#     sup -> worker  {"op": "ready", "sid": 0}                     the first session is idle
+#     worker -> sup  {"op": "cell", "sid", "seq", limits...} + 6 fds (as a call's)
+#     sup -> worker  {"op": "cell_done", "seq", "kept", "wait_status", "exit_code", "timed_out",
+#                     "killed", "wall_s", "lost", "written"}
+#     worker -> sup  {"op": "kill", "seq"}                         stop the running cell (rolled back)
+#     worker -> sup  {"op": "fork", "sid", "new_sid"}  ->  {"op": "forked", "new_sid", "ok"}
+#     worker -> sup  {"op": "close", "sid"}  ->  {"op": "closed", "sid"}
+#     worker -> sup  {"op": "ping"}  ->  {"op": "pong"}
+#
+# A cell runs in a fork of its session's process: the process before the cell (the "pre-cell"
+# process) is stopped (SIGSTOP, its threads too) while the cell runs. A cell that ends by itself
+# (normally, with an exception, with SystemExit) becomes the session and the pre-cell process is
+# killed; a cell stopped by a limit is killed with everything it started, and the pre-cell process
+# is resumed: the session is exactly as before the cell, without replay.
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 0x40000
+#: Time a pre-cell process has to report its cell's end after it is resumed.
+SESSION_REPLY_S = 2.0
+#: Files listed as written by a rolled-back cell, at most.
+WRITTEN_MAX = 100
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source, target, fstype, flags, data):
+    import ctypes
+
+    libc = _libc()
+    if libc.mount(source, target, fstype, ctypes.c_ulong(flags), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _loopback_up():
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, ifreq))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))  # SIOCSIFFLAGS, IFF_UP
+
+
+def _sender_pid(sock):
+    """(message, the sending process's pid as the kernel saw it) from a socket with SO_PASSCRED."""
+    import struct
+
+    data, anc, _, _ = sock.recvmsg(MAX_MSG, socket.CMSG_SPACE(12))
+    pid = None
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
+            pid = struct.unpack("3i", payload[:12])[0]
+    return data, pid
+
+
+def _session_dir(sid):
+    return f"{_config['workdir']}/s{sid}"
+
+
+def _enter_session(sid, ch_fd):
+    """In a session's process: its own dir, HOME and TMPDIR, and its channel on a known fd."""
+    path = _session_dir(sid)
+    os.chdir(path)
+    os.environ["HOME"] = os.environ["TMPDIR"] = path
+    sys.path[0] = path
+    import tempfile
+
+    tempfile.tempdir = None
+
+
+def _session_loop(ch, main, count):
+    """A session's process: it waits for a cell (or a fork) on its channel (never returns).
+
+    `count` holds the cell counter (for Out[n]-style numbering in tracebacks it is not needed; kept
+    for the worker's account only)."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(ch, MAX_MSG, 16)
+        except OSError:
+            _hard_exit(0)
+        if not data:
+            _hard_exit(0)  # the supervisor is gone
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = {}
+        op = msg.get("op")
+        if op == "cell" and len(fds) == 7:
+            pid = os.fork()
+            if pid == 0:
+                ch.close()
+                try:
+                    _cell_child(fds, msg, main)
+                finally:
+                    _hard_exit(SETUP_FAILED)
+            for fd in fds:
+                os.close(fd)
+            try:
+                _, status = os.waitpid(pid, 0)  # reached only if the cell does not become the session
+            except ChildProcessError:
+                status = SETUP_FAILED << 8
+            try:
+                _send(ch, {"op": "reaped", "wait_status": status})
+            except OSError:
+                _hard_exit(0)
+        elif op == "fork" and len(fds) == 1:
+            pid = os.fork()
+            if pid == 0:  # a middle child: the new session is orphaned to the supervisor
+                try:
+                    ch.close()
+                    if os.fork() == 0:
+                        _forked_session(fds[0], msg, main)
+                finally:
+                    _hard_exit(0)
+            os.close(fds[0])
+            os.waitpid(pid, 0)
+        else:
+            for fd in fds:
+                os.close(fd)
+
+
+def _forked_session(ch_fd, msg, main):
+    """A new session made from this one's state: it copies its dir, then waits for cells."""
+    import shutil
+
+    ch = socket.socket(fileno=ch_fd)
+    ok = True
+    try:
+        shutil.copytree(_session_dir(msg["sid"]), _session_dir(msg["new_sid"]), symlinks=True)
+    except BaseException:
+        ok = False  # e.g. the family's work dir is full: the fork has a fresh dir instead
+        try:
+            os.mkdir(_session_dir(msg["new_sid"]), 0o700)
+        except OSError:
+            pass
+    _enter_session(msg["new_sid"], ch_fd)
+    _send(ch, {"op": "hello", "copied": ok})
+    _session_loop(ch, main, None)
+
+
+def _fresh_stdio():
+    """New std streams on fds 0-2: a lock a thread held in the old ones (say, stdout's, while it
+    printed when the cell's fork happened) stays with the old objects."""
+    import io
+
+    streams = []
+    for fd, mode in ((0, "r"), (1, "w"), (2, "w")):
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        streams.append(io.TextIOWrapper(buffered, encoding="utf-8", errors="strict" if fd == 0 else "backslashreplace",
+                                        line_buffering=False))
+    sys.stdin = sys.__stdin__ = streams[0]
+    sys.stdout = sys.__stdout__ = streams[1]
+    sys.stderr = sys.__stderr__ = streams[2]
+
+
+def _cell_child(fds, msg, main):
+    """One cell, in a fork of the session's process. It ends by becoming the session (never returns)."""
+    import mmap
+
+    setup_fd = fds[CallFd.SETUP]
+    try:
+        ch = socket.socket(fileno=fds[6])
+        _send(ch, {"op": "started"})  # the supervisor learns our pid from the kernel (SO_PASSCRED)
+        report = mmap.mmap(fds[CallFd.REPORT], os.fstat(fds[CallFd.REPORT]).st_size)
+        code = _read_all(fds[CallFd.CODE])
+        saved = [os.dup(0), os.dup(1), os.dup(2)]
+        os.dup2(fds[CallFd.STDIN], 0)
+        os.dup2(fds[CallFd.STDOUT], 1)
+        os.dup2(fds[CallFd.STDERR], 2)
+        for fd in fds[:6]:
+            if fd != setup_fd:
+                os.close(fd)
+        # Soft limits only: the cell that ends normally is the session, and its next cell may need more.
+        limits = {}
+        for which, value in ((resource.RLIMIT_CPU, msg["cpu_s"]), (resource.RLIMIT_FSIZE, msg["fsize_bytes"])):
+            limits[which] = soft, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
+        _fresh_stdio()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import linecache
+
+        name = f"<cell {msg.get('n', '?')}>"
+        source = code.decode("utf-8", "replace")
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        os.close(setup_fd)
+    except BaseException as exc:
+        _report_setup_error(setup_fd, exc)
+        _hard_exit(SETUP_FAILED)
+    global FILENAME
+    FILENAME = name  # tracebacks and the error's line name the cell
+    exit_code = 0
+    try:
+        _exec_displaying_last(code, main.__dict__, report)
+    except SystemExit as exc:
+        exit_code = _exit_code(exc)
+    except BaseException as exc:
+        exit_code = 1
+        _report_uncaught(report, exc)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except BaseException:
+            pass
+    # Back to an idle session: no cell's fds, no limits of the cell.
+    try:
+        report.close()
+    except BaseException:
+        pass
+    for target, fd in enumerate(saved):
+        os.dup2(fd, target)
+        os.close(fd)
+    for which, value in limits.items():
+        try:
+            resource.setrlimit(which, value)
+        except (ValueError, OSError):
+            pass
+    try:
+        _send(ch, {"op": "done", "exit_code": exit_code})
+    except OSError:
+        _hard_exit(0)
+    _session_loop(ch, main, None)
+
+
+class _Family:
+    """The supervisor's account of its sessions: sid -> (pid, channel)."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.sessions = {}
+
+    def session_pids(self):
+        return {pid for pid, _ in self.sessions.values()}
+
+    def kill_others(self, keep):
+        """SIGKILL every process of the family but the supervisor and `keep`; reap what is ours."""
+        for _ in range(100):
+            victims = []
+            for name in os.listdir("/proc"):
+                if name.isdigit() and int(name) != 1 and int(name) not in keep:
+                    victims.append(int(name))
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.reap()
+            if not victims:
+                return
+            time.sleep(0.001)
+
+    def reap(self):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def new_session(self, sid, make):
+        """A session process: `make(ch_fd)` runs in a child (forked here or by a session) and says
+        hello; returns its pid, or None."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        ok = make(theirs)
+        theirs.close()
+        if not ok:
+            ours.close()
+            return None
+        ready, _, _ = select.select([ours], [], [], SESSION_REPLY_S * 5)
+        if not ready:
+            ours.close()
+            return None
+        try:
+            data, pid = _sender_pid(ours)
+        except OSError:
+            data, pid = b"", None
+        if not data or pid is None:
+            ours.close()
+            return None
+        self.sessions[sid] = (pid, ours)
+        return pid
+
+    def cell(self, msg, fds):
+        sid = msg.get("sid")
+        seq = msg.get("seq")
+        reply = {"op": "cell_done", "seq": seq, "kept": False, "wait_status": 0, "exit_code": None,
+                 "timed_out": False, "killed": False, "wall_s": 0.0, "lost": False, "written": []}
+        if sid not in self.sessions or len(fds) != 6:
+            for fd in fds:
+                os.close(fd)
+            reply.update(lost=True, refused="no such session here")
+            return reply
+        pid, ch = self.sessions[sid]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        t0 = time.monotonic()
+        wall0 = time.time()
+        try:
+            socket.send_fds(ch, [json.dumps(msg).encode()], [*fds, theirs.fileno()])
+            sent = True
+        except OSError:
+            sent = False
+        theirs.close()
+        for fd in fds:
+            os.close(fd)
+        deadline = t0 + msg["wall_s"]
+        cell_pid = None
+        if sent:
+            ready, _, _ = select.select([ours], [], [], max(0.0, deadline - time.monotonic()) + SESSION_REPLY_S)
+            if ready:
+                try:
+                    data, cell_pid = _sender_pid(ours)
+                    if not data:
+                        cell_pid = None
+                except OSError:
+                    cell_pid = None
+        if cell_pid is None:  # the session's process is gone or does not answer: the session is lost
+            ours.close()
+            self.end(sid)
+            reply["lost"] = True
+            return reply
+        try:
+            os.kill(pid, signal.SIGSTOP)  # the pre-cell process, threads and all, waits
+        except ProcessLookupError:
+            pass
+        try:
+            cell_fd = os.pidfd_open(cell_pid)
+        except OSError:
+            cell_fd = None
+        poller = select.poll()
+        poller.register(ours, select.POLLIN)
+        poller.register(self.sock, select.POLLIN)
+        if cell_fd is not None:
+            poller.register(cell_fd, select.POLLIN)
+        done = None
+        ended = False
+        while done is None and not ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reply["timed_out"] = True
+                break
+            for fd, _ in poller.poll(max(1, int(remaining * 1000 + 0.999))):
+                if fd == ours.fileno():
+                    try:
+                        data, sender = _sender_pid(ours)
+                    except OSError:
+                        data, sender = b"", None
+                    if not data:
+                        ended = True
+                        break
+                    if sender == cell_pid:
+                        try:
+                            got = json.loads(data)
+                        except ValueError:
+                            got = {}
+                        if isinstance(got, dict) and got.get("op") == "done":
+                            done = got
+                            break
+                elif fd == self.sock.fileno():
+                    data = self.sock.recv(MAX_MSG)
+                    if not data:
+                        _hard_exit(0)
+                    try:
+                        op = json.loads(data).get("op")
+                    except (ValueError, AttributeError):
+                        op = None
+                    if op == "kill":
+                        reply["killed"] = True
+                        ended = True
+                        break
+                    if op == "ping":
+                        _send(self.sock, {"op": "pong"})
+                elif fd == cell_fd:
+                    ended = True
+                    break
+        reply["wall_s"] = time.monotonic() - t0
+        if cell_fd is not None:
+            os.close(cell_fd)
+        if done is not None:  # the cell is the session now
+            code = done.get("exit_code")
+            reply.update(kept=True, exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None)
+            ch.close()
+            self.sessions[sid] = (cell_pid, ours)
+            self.kill_others(self.session_pids())
+            return reply
+        # Stopped by a limit, or it ended the interpreter: everything of the cell goes, the
+        # pre-cell process is the session again.
+        ours.close()
+        self.kill_others(self.session_pids())
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        ready, _, _ = select.select([ch], [], [], SESSION_REPLY_S)
+        got = None
+        if ready:
+            try:
+                got = json.loads(ch.recv(MAX_MSG) or b"null")
+            except (OSError, ValueError):
+                got = None
+        if not isinstance(got, dict) or got.get("op") != "reaped" or not isinstance(got.get("wait_status"), int):
+            self.end(sid)
+            reply["lost"] = True
+            return reply
+        reply["wait_status"] = got["wait_status"]
+        reply["written"] = _written_since(_session_dir(sid), wall0)
+        return reply
+
+    def fork(self, msg):
+        sid, new_sid = msg.get("sid"), msg.get("new_sid")
+        if sid not in self.sessions or new_sid in self.sessions:
+            return {"op": "forked", "new_sid": new_sid, "ok": False}
+        pid, ch = self.sessions[sid]
+
+        def make(theirs):
+            try:
+                socket.send_fds(ch, [json.dumps({"op": "fork", "sid": sid, "new_sid": new_sid}).encode()],
+                                [theirs.fileno()])
+                return True
+            except OSError:
+                return False
+
+        return {"op": "forked", "new_sid": new_sid, "ok": self.new_session(new_sid, make) is not None}
+
+    def end(self, sid):
+        pid, ch = self.sessions.pop(sid, (None, None))
+        if ch is not None:
+            ch.close()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.reap()
+        path = _session_dir(sid)
+        if os.path.lexists(path):
+            _in_child("janitor", lambda: _wipe_tree(path), _config["cleanup_timeout_s"])
+
+
+def _wipe_tree(path):
+    _wipe(path)
+    os.rmdir(path)
+
+
+def _written_since(path, since):
+    """Files under `path` changed at or after `since` (a rolled-back cell's writes stay)."""
+    written = []
+    try:
+        for root, dirs, files in os.walk(path):
+            for name in files + dirs:
+                full = os.path.join(root, name)
+                try:
+                    if os.lstat(full).st_mtime >= since - 0.01:
+                        written.append(os.path.relpath(full, path))
+                except OSError:
+                    continue
+                if len(written) >= WRITTEN_MAX:
+                    return written
+    except OSError:
+        pass
+    return written
+
+
+def _family_supervisor(sock, msg):
+    """PID 1 of a family (never returns): set up its namespaces, drop to its uid, serve its sessions."""
+    uid = msg["uid"]
+    try:
+        _mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
+        _mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        opts = f"size={msg['workdir_bytes']},nr_inodes={msg['workdir_inodes']},mode=0700,uid={uid},gid={uid}"
+        _mount(b"tmpfs", _config["workdir"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode())
+        _loopback_up()
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        _set_dumpable(0)
+        _install_abi_filter(msg.get("deny_filter"))
+        _set_child_subreaper()
+        os.chdir(_config["workdir"])
+        for name in ZYGOTE_ONLY_ENV:
+            os.environ.pop(name, None)
+    except BaseException as exc:
+        _log("family set-up failed:", type(exc).__name__, exc)
+        _hard_exit(SETUP_FAILED)
+    family = _Family(sock)
+    # The worker moves us into the family's cgroup, then says go: the sessions start there.
+    data = sock.recv(MAX_MSG)
+    if not data or json.loads(data).get("op") != "go":
+        _hard_exit(0)
+    os.mkdir(_session_dir(0), 0o700)
+
+    def first(theirs):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                main = _prepare_session()
+                _enter_session(0, theirs.fileno())
+                ch = socket.socket(fileno=os.dup(theirs.fileno()))
+                theirs.close()
+                _send(ch, {"op": "hello"})
+                _session_loop(ch, main, None)
+            except BaseException as exc:
+                _log("session start failed:", type(exc).__name__, exc)
+            finally:
+                _hard_exit(SETUP_FAILED)
+        return True
+
+    if family.new_session(0, first) is None:
+        _send(sock, {"op": "ready", "ok": False})
+        _hard_exit(0)
+    _send(sock, {"op": "ready", "ok": True, "sid": 0})
+    while True:
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        family.reap()
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
+        except OSError:
+            _hard_exit(0)
+        if not data:
+            _hard_exit(0)  # the worker is done with this family: the kernel ends every process of it
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = {}
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "cell":
+            _send(sock, family.cell(msg, fds))
+            continue
+        for fd in fds:
+            os.close(fd)
+        if op == "fork":
+            reply = family.fork(msg)
+            if reply["ok"]:
+                os.chmod(_session_dir(msg["new_sid"]), 0o700) if os.path.isdir(_session_dir(msg["new_sid"])) else None
+            _send(sock, reply)
+        elif op == "close":
+            family.end(msg.get("sid"))
+            _send(sock, {"op": "closed", "sid": msg.get("sid")})
+        elif op == "ping":
+            _send(sock, {"op": "pong"})
+
+
+def _prepare_session():
+    """The first session process's set-up: a fresh __main__, fresh streams on /dev/null."""
+    main = _prepare()
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    _keep_only({0, 1, 2, *_open_sockets()})
+    return main
+
+
+def _open_sockets():
+    keep = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                keep.add(int(name))
+        except OSError:
+            pass
+    return keep
+
+
+def _create_family(ctl, msg, fds):
+    """Fork a family's supervisor in new namespaces; send the worker a pidfd of it."""
+    fid = msg.get("fid")
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        _send(ctl, {"op": "created", "fid": fid, "error": "expected one fd"})
+        return None
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            sock = socket.socket(fileno=fds[0])
+            _keep_only({0, 1, 2, w, sock.fileno()})
+            os.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID)
+            sup = os.fork()
+            if sup == 0:
+                os.close(w)
+                _family_supervisor(sock, msg)
+            os.write(w, str(sup).encode())
+        except BaseException as exc:
+            _log("family fork failed:", type(exc).__name__, exc)
+        _hard_exit(0)
+    os.close(w)
+    os.close(fds[0])
+    data = b""
+    while chunk := os.read(r, 32):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    if not data.isdigit():
+        _send(ctl, {"op": "created", "fid": fid, "error": "the family's supervisor did not start"})
+        return None
+    sup = int(data)
+    pidfd = os.pidfd_open(sup)
+    socket.send_fds(ctl, [json.dumps({"op": "created", "fid": fid}).encode()], [pidfd])
+    return sup, pidfd
+
+
+def _serve_sessions(ctl):
+    """A session jail's zygote: it forks families and reaps their supervisors (never returns)."""
+    families = {}
+    while True:
+        ready, _, _ = select.select([ctl], [], [], 1.0)
+        while True:  # supervisors whose family ended (they were re-parented to us)
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 16)
+        except OSError as exc:
+            _log("control socket failed:", exc)
+            os._exit(1)
+        if not data:
+            os._exit(0)
+        msg = json.loads(data)
+        op = msg.get("op")
+        if op == "create":
+            made = _create_family(ctl, msg, fds)
+            if made is not None:
+                families[msg.get("fid")] = made
+            continue
+        for fd in fds:
+            os.close(fd)
+        if op == "end":
+            made = families.pop(msg.get("fid"), None)
+            if made is not None:
+                sup, pidfd = made
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+                select.select([pidfd], [], [], 5.0)
+                try:
+                    os.waitpid(sup, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+                os.close(pidfd)
+            _send(ctl, {"op": "ended", "fid": msg.get("fid")})
+        elif op == "ping":
+            _send(ctl, {"op": "pong"})
+
+
 # --- the zygote --------------------------------------------------------------------------------
 
 
@@ -1143,10 +1823,13 @@ def main():
     baseline = _baseline = _workdir_usage()
     st = os.stat(_config["workdir"])
     _workdir_times = (st.st_atime_ns, st.st_mtime_ns)
-    _make_spare()
+    if not _config.get("sessions"):
+        _make_spare()
     _send(ctl, {"op": "hello", "spare": _spare_child is not None,
                 "preload_s": time.monotonic() - t0, "preload_errors": errors,
                 "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge})
+    if _config.get("sessions"):
+        _serve_sessions(ctl)
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 16)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nsjail import NsJailConfig
+
 from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.models import LimitValues
 from codeenv.sandbox.cgroups import JailCgroup
@@ -366,14 +368,16 @@ class ZygoteProcess:
     def name(self) -> str:
         return self.cgroup.name
 
+    def jail_config(self, ctl_fd: int) -> NsJailConfig:
+        return jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid, ctl_fd=ctl_fd)
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg_path = self.runtime_dir / f"{self.name}.cfg"
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent.setblocking(False)
-        cfg = jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid,
-                          ctl_fd=child.fileno())
+        cfg = self.jail_config(child.fileno())
         cfg_path.write_text(config_text(cfg))
         self.inbox = asyncio.Queue()
         self._stopping = False
@@ -817,6 +821,41 @@ CPU_POLL_S = 0.02
 STOP_WAIT_S = 0.5
 
 
+async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: int | None,
+                  cgroup: JailCgroup) -> tuple[bytes, str | None]:
+    """The next message on `sock`, or (b"", why): "wall" once `wall_s` has passed, "cpu" once `cgroup`
+    has used `cpu_ns` of CPU time since it read `cpu0` (read every CPU_POLL_S), None if it closed."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            data = sock.recv(MAX_MSG)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not got.done():
+            got.set_result(data)
+
+    deadline = time.monotonic() + wall_s
+    loop.add_reader(sock.fileno(), readable)
+    try:
+        while True:
+            step = min(CPU_POLL_S if cpu0 is not None else wall_s, deadline - time.monotonic())
+            if step <= 0:
+                return b"", "wall"
+            await asyncio.wait([got], timeout=step)
+            if got.done():
+                return got.result(), None
+            if cpu0 is not None and cpu_ns is not None:
+                used = cgroup.cpu_usage_ns()
+                if used is not None and used - cpu0 > cpu_ns:
+                    return b"", "cpu"
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
 def _message(data: bytes) -> dict[str, Any] | None:
     """A message from inside the jail, or None if it is not a JSON object."""
     try:
@@ -884,35 +923,7 @@ class Submission:
 
     async def receive(self, wall_s: float, cpu_ns: int | None, cpu0: int | None) -> tuple[bytes, str | None]:
         """The next message, or (b"", why) once the wall or CPU budget is spent or the channel closes."""
-        loop = asyncio.get_running_loop()
-        got: asyncio.Future[bytes] = loop.create_future()
-
-        def readable() -> None:
-            try:
-                data = self.sock.recv(MAX_MSG)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not got.done():
-                got.set_result(data)
-
-        deadline = time.monotonic() + wall_s
-        loop.add_reader(self.sock.fileno(), readable)
-        try:
-            while True:
-                step = min(CPU_POLL_S if cpu0 is not None else wall_s, deadline - time.monotonic())
-                if step <= 0:
-                    return b"", "wall"
-                await asyncio.wait([got], timeout=step)
-                if got.done():
-                    return got.result(), None
-                if cpu0 is not None and cpu_ns is not None:
-                    used = self.zygote.cgroup.cpu_usage_ns()
-                    if used is not None and used - cpu0 > cpu_ns:
-                        return b"", "cpu"
-        finally:
-            loop.remove_reader(self.sock.fileno())
+        return await receive(self.sock, wall_s, cpu_ns, cpu0, self.zygote.cgroup)
 
     async def stop_test(self) -> dict[str, Any] | None:
         """Ask the submission's process to stop the running test; the jail stops it if it does not.

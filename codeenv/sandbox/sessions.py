@@ -1,0 +1,689 @@
+"""Live sessions: interpreters that keep their state from cell to cell, roll back, and branch.
+
+A session lives in a *family* (the session and its forks). Each family is a fork of its profile's
+session zygote, in a session jail (`jail.session_jail_config`): PID 1 of its own pid, mount, network
+and IPC namespaces, with its own host uid, its own work dir (a tmpfs only it can see) and its own
+cgroup (memory, pids, CPU), set up before any of its code runs (see the zygote's "sessions"
+section). So one family cannot see, signal, trace, read, connect to or leave anything for another,
+nor for a call: calls run in other jails, under other uids.
+
+The worker owns every limit and lifetime: per-cell limits (the family's cgroup, its CPU clock read
+here, the supervisor's wall clock with this worker's behind it), a per-family memory and pids cap,
+an idle TTL and a maximum lifetime, a maximum number of sessions, and eviction of the least
+recently used idle family when available memory runs low. When a family ends, its supervisor is
+killed (and with it, by the kernel, every process of its pid namespace), its cgroup removed and its
+uid freed; its work dir was a mount of its own namespace, so nothing of it remains.
+
+Session ids carry this worker's epoch and a MAC under a key kept in the state dir: an id that never
+existed is told apart from one that ended (expired, evicted, or issued before the worker restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nsjail import NsJailConfig
+
+from codeenv.admission import admit
+from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
+from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
+from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
+from codeenv.sandbox.image import Image, Profile
+from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
+from codeenv.sandbox.verdict import classify
+from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
+from codeenv.sandbox.zygote_proc import (
+    Exited,
+    Outcome,
+    ZygoteProcess,
+    _CallFiles,
+    _message,
+    _read_report,
+    receive,
+)
+from codeenv.settings import SandboxSettings
+
+logger = logging.getLogger(__name__)
+
+#: How often idle sessions are checked against their TTL and lifetime.
+REAP_EVERY_S = 1.0
+#: Ended session ids remembered (beyond it, an id of this epoch that is not live still reads as ended).
+ENDED_KEPT = 100_000
+#: Cells whose results are kept per session for retried cell ids.
+CELL_IDS_KEPT = 64
+#: Processes a family's supervisor and idle sessions need on top of a cell's own.
+FAMILY_PIDS = 4
+
+
+@dataclass
+class Family:
+    """One family on the worker's side: its supervisor's socket and pidfd, cgroup and uid."""
+
+    fid: int
+    uid_index: int
+    jail: SessionJail
+    sock: socket.socket
+    pidfd: int
+    cgroup: JailCgroup
+    memory_cap: int
+    sessions: dict[int, Session] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    next_index: int = 1
+    ended: str | None = None
+
+    @property
+    def last_used(self) -> float:
+        return max((s.last_used for s in self.sessions.values()), default=0.0)
+
+
+@dataclass
+class Session:
+    id: str
+    index: int  # its number in the family (the supervisor's sid)
+    family: Family
+    profile: str
+    idle_ttl_s: float
+    limits: LimitValues | None
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    cells: int = 0
+    busy: int = 0  # cells running or waiting
+    cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
+        default_factory=collections.OrderedDict)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        memory = None
+        with contextlib.suppress(OSError, ValueError):
+            memory = self.family.cgroup.memory_usage()
+        return {"session_id": self.id, "profile": self.profile, "age_s": round(now - self.created, 3),
+                "idle_s": round(0.0 if self.busy else now - self.last_used, 3), "cells": self.cells,
+                "family_memory_bytes": memory, "family_sessions": len(self.family.sessions),
+                "idle_ttl_s": self.idle_ttl_s}
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid (in our namespace) of the process a pidfd refers to."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise SandboxError("the kernel does not say which process a pidfd refers to")
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    return 1 << 62
+
+
+class SessionJail(ZygoteProcess):
+    """A jail whose zygote forks families of sessions of one profile (it runs no call)."""
+
+    def __init__(self, settings: SandboxSettings, image: Image, profile: Profile, root_uid: int, family_uid: int,
+                 families: int, cgroup: JailCgroup, nsjail: Path, runtime_dir: Path, zygote_dir: Path) -> None:
+        super().__init__(settings, image, profile, root_uid, cgroup, nsjail, runtime_dir, zygote_dir)
+        self.family_uid = family_uid
+        self.families = families
+        self.create_lock = asyncio.Lock()
+
+    def jail_config(self, ctl_fd: int) -> NsJailConfig:
+        return session_jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid,
+                                   self.family_uid, self.families, ctl_fd=ctl_fd)
+
+    async def _read_control(self) -> None:
+        """As a call jail's, but a message may carry a pidfd (a family's supervisor)."""
+        loop = asyncio.get_running_loop()
+        assert self.ctl is not None
+        ctl = self.ctl
+        closed: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            while not closed.done():
+                try:
+                    data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 2)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data, fds = b"", []
+                msg = _message(data) if data else None
+                if msg is None:
+                    for fd in fds:
+                        os.close(fd)
+                    if data:
+                        logger.error("session jail %s sent a malformed message; recycling it", self.name)
+                    closed.set_result(None)
+                    return
+                if fds:
+                    msg["_fds"] = fds
+                self.inbox.put_nowait(msg)
+
+        loop.add_reader(ctl.fileno(), readable)
+        try:
+            await closed
+        except asyncio.CancelledError:
+            pass
+        finally:
+            loop.remove_reader(ctl.fileno())
+            self.dead = True
+            self.inbox.put_nowait(None)
+            if not self._stopping and self.on_death is not None:
+                self.on_death(self)
+
+    async def create(self, fid: int, uid_index: int) -> tuple[socket.socket, int]:
+        """Fork a family's supervisor: (its socket, a pidfd of it)."""
+        s = self.settings
+        async with self.create_lock:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            ours.setblocking(False)
+            try:
+                self._send({"op": "create", "fid": fid, "uid": FAMILY_UID + uid_index,
+                            "workdir_bytes": s.session_workdir_mb << 20, "workdir_inodes": s.workdir_inodes,
+                            "deny_filter": family_filter_hex(s)}, [theirs.fileno()])
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            try:
+                msg = await self._expect("created", s.control_timeout_s)
+            except BaseException:
+                ours.close()
+                raise
+            fds = msg.pop("_fds", [])
+            if msg.get("fid") != fid or len(fds) != 1 or msg.get("error"):
+                for fd in fds:
+                    os.close(fd)
+                ours.close()
+                raise SandboxError(f"session jail {self.name} could not start a family: {msg.get('error', msg)}")
+            return ours, fds[0]
+
+    async def end(self, fid: int) -> None:
+        """Have the zygote kill and reap a family's supervisor (the kernel ends the rest of it)."""
+        with contextlib.suppress(ZygoteDied, TimeoutError):
+            self._send({"op": "end", "fid": fid})
+            while True:
+                msg = await self._expect("ended", self.settings.control_timeout_s)
+                if msg.get("fid") == fid:
+                    return
+
+
+class SessionManager:
+    """The sessions of one worker: families in session jails, one jail per profile, started on demand."""
+
+    def __init__(self, settings: SandboxSettings, image: Image, tree: CgroupTree, root_uid: int, family_uid: int,
+                 nsjail: Path, runtime_dir: Path, zygote_dir: Path, worker: str,
+                 finish: Callable[[ExecRequest, ExecResult, Profile], ExecResult]) -> None:
+        self.settings = settings
+        self.image = image
+        self.tree = tree
+        self.root_uid = root_uid
+        self.family_uid = family_uid
+        self.nsjail = nsjail
+        self.runtime_dir = runtime_dir
+        self.zygote_dir = zygote_dir
+        self.worker = worker
+        self._finish = finish
+        self.jails: dict[str, SessionJail] = {}
+        self._jail_lock = asyncio.Lock()
+        self.sessions: dict[str, Session] = {}
+        self.families: dict[int, Family] = {}
+        self._fids = itertools.count(1)
+        self._free_uids = collections.deque(range(settings.sessions_max))
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.epoch = time.time_ns() // 1_000_000
+        self._counter = itertools.count(1)
+        self._key = _session_key(settings.state_dir)
+        self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.evicted = 0
+        self.expired = 0
+
+    # --- ids ------------------------------------------------------------------------------------
+
+    def _mac(self, epoch: int, counter: int) -> str:
+        digest = hmac.new(self._key, f"{epoch:x}.{counter:x}".encode(), hashlib.sha256).digest()[:18]
+        return base64.urlsafe_b64encode(digest).decode()
+
+    def _new_id(self) -> str:
+        counter = next(self._counter)
+        return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter)}"
+
+    def lookup(self, session_id: str) -> Session:
+        """The live session `session_id`; SessionError 404 if it never existed, 410 if it ended."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        why = self._ended.get(session_id)
+        if why is not None:
+            raise session_lost(session_id, why)
+        parts = session_id.split(".")
+        if len(parts) == 3:
+            try:
+                epoch, counter = int(parts[0], 16), int(parts[1], 16)
+            except ValueError:
+                raise session_not_found(session_id) from None
+            if hmac.compare_digest(parts[2], self._mac(epoch, counter)):
+                if epoch != self.epoch:
+                    raise session_lost(session_id, "its worker restarted")
+                raise session_lost(session_id, "it ended")
+        raise session_not_found(session_id)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap(), name="codeenv-sessions")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reaper
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        families = list(self.families.values())
+        await asyncio.gather(*(self._end_family(f, "the worker is shutting down") for f in families),
+                             return_exceptions=True)
+        for jail in self.jails.values():
+            await jail.stop()
+            await asyncio.to_thread(jail.cgroup.remove)
+        self.jails = {}
+
+    async def _jail(self, profile: Profile) -> SessionJail:
+        async with self._jail_lock:
+            jail = self.jails.get(profile.name)
+            if jail is not None and not jail.dead:
+                return jail
+            if jail is not None:  # its zygote died: its families are gone with it
+                for family in [f for f in self.families.values() if f.jail is jail]:
+                    await self._end_family(family, "its worker's session jail restarted")
+                await jail.stop()
+            index = [p.name for p in self.image.spec.profiles].index(profile.name)
+            jail = SessionJail(self.settings, self.image, profile, self.root_uid + index, self.family_uid,
+                               self.settings.sessions_max, self.tree.group(f"sessions-{profile.name}"), self.nsjail,
+                               self.runtime_dir, self.zygote_dir)
+            await jail.start()
+            self.jails[profile.name] = jail
+            return jail
+
+    def _profile(self, name: str | None) -> Profile:
+        if name is None:
+            return self.image.spec.profiles[-1]  # the fullest: a session's later cells may import anything
+        try:
+            return self.image.profile(name)
+        except Exception as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def create(self, profile_name: str | None = None, limits: LimitValues | None = None,
+                     idle_ttl_s: float | None = None) -> Session:
+        """A new session (and family). SessionError 429 when the worker holds as many as it may."""
+        s = self.settings
+        if s.sessions_max == 0:
+            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
+        profile = self._profile(profile_name)
+        await self._make_room()
+        if not self._free_uids:
+            raise SessionError(f"this worker holds {len(self.families)} session families, its most "
+                               "(CODEENV_SESSIONS_MAX); end some, or retry later", 429, "overloaded")
+        uid_index = self._free_uids.popleft()
+        fid = next(self._fids)
+        try:
+            family = await self._start_family(fid, uid_index, profile)
+        except BaseException:
+            self._free_uids.append(uid_index)
+            raise
+        session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
+        family.sessions[0] = session
+        self.sessions[session.id] = session
+        return session
+
+    async def _start_family(self, fid: int, uid_index: int, profile: Profile) -> Family:
+        s = self.settings
+        jail = await self._jail(profile)
+        cgroup = self.tree.group(f"family{fid}")
+        memory_cap = s.session_memory_mb << 20
+        try:
+            cgroup.set_memory_limit(memory_cap)
+            cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
+            cgroup.set_cpu_limit(s.cpus_per_call)
+            sock, pidfd = await jail.create(fid, uid_index)
+        except BaseException:
+            await asyncio.to_thread(cgroup.remove)
+            raise
+        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, memory_cap)
+        self.families[fid] = family
+        try:
+            host_pid = _pidfd_pid(pidfd)
+            for procs in cgroup.procs_files():
+                procs.write_text(str(host_pid))
+            await self._ask(family, {"op": "go"}, "ready", s.control_timeout_s + s.zygote_start_timeout_s / 10)
+        except BaseException as exc:
+            await self._end_family(family, f"it could not start: {exc!r}")
+            if isinstance(exc, Exception) and not isinstance(exc, SessionError):
+                raise SandboxError(f"a session could not start: {exc!r}") from exc
+            raise
+        return family
+
+    async def _ask(self, family: Family, msg: dict[str, Any], reply: str, timeout: float) -> dict[str, Any]:
+        """Send the supervisor a message and wait for its reply (SessionError 410 if it is gone)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.sock_sendall(family.sock, json.dumps(msg).encode())
+            async with asyncio.timeout(timeout):
+                while True:
+                    data = await loop.sock_recv(family.sock, MAX_MSG)
+                    got = _message(data) if data else None
+                    if got is None:
+                        raise OSError("the family's supervisor is gone")
+                    if got.get("op") == reply:
+                        if reply == "ready" and got.get("ok") is not True:
+                            raise OSError("the family's first session did not start")
+                        return got
+        except (OSError, TimeoutError) as exc:
+            await self._end_family(family, "its processes were lost")
+            raise session_lost("?", f"its processes were lost ({exc})") from None
+
+    async def _end_family(self, family: Family, why: str) -> None:
+        if family.ended is not None:
+            return
+        family.ended = why
+        for session in family.sessions.values():
+            self._forget(session, why)
+        family.sessions.clear()
+        self.families.pop(family.fid, None)
+        family.sock.close()  # its supervisor exits on EOF, and the kernel ends its pid namespace
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(family.pidfd, signal.SIGKILL)
+        await family.jail.end(family.fid)
+        os.close(family.pidfd)
+        await asyncio.to_thread(family.cgroup.remove)  # kills what is left, then removes the group
+        self._free_uids.append(family.uid_index)
+
+    def _forget(self, session: Session, why: str) -> None:
+        self.sessions.pop(session.id, None)
+        self._ended[session.id] = why
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        for fut in session.cell_ids.values():
+            if not fut.done():
+                fut.cancel()
+
+    async def delete(self, session_id: str) -> None:
+        session = self.lookup(session_id)
+        await self._close(session, "it was deleted")
+
+    async def _close(self, session: Session, why: str) -> None:
+        family = session.family
+        if len(family.sessions) <= 1:
+            await self._end_family(family, why)
+            return
+        async with family.lock:
+            if family.ended is not None or family.sessions.get(session.index) is not session:
+                return
+            del family.sessions[session.index]
+            self._forget(session, why)
+            with contextlib.suppress(SessionError):
+                await self._ask(family, {"op": "close", "sid": session.index}, "closed",
+                                self.settings.control_timeout_s + self.settings.cleanup_timeout_s)
+
+    async def fork(self, session_id: str) -> Session:
+        """A new session in the same family, from this one's state (after its running cell, if any)."""
+        s = self.settings
+        session = self.lookup(session_id)
+        family = session.family
+        if len(family.sessions) >= s.session_forks_max:
+            raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
+                               "(CODEENV_SESSION_FORKS_MAX); delete some first", 409)
+        if len(self.sessions) >= s.sessions_max:
+            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX)",
+                               429, "overloaded")
+        session.busy += 1
+        try:
+            async with family.lock:
+                if family.ended is not None:
+                    raise session_lost(session_id, family.ended)
+                index = family.next_index
+                family.next_index += 1
+                got = await self._ask(family, {"op": "fork", "sid": session.index, "new_sid": index}, "forked",
+                                      s.control_timeout_s + s.cleanup_timeout_s)
+                if got.get("ok") is not True:
+                    raise SessionError("the session could not be forked (its process is gone)", 410, "session_lost")
+                child = Session(self._new_id(), index, family, session.profile, session.idle_ttl_s, session.limits,
+                                cells=session.cells)
+                family.sessions[index] = child
+                self.sessions[child.id] = child
+                return child
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+
+    async def _make_room(self) -> None:
+        """Evict least recently used idle families while available memory is below the floor."""
+        floor = self.settings.session_min_available_mb << 20
+        while _mem_available() < floor:
+            idle = [f for f in self.families.values()
+                    if not f.lock.locked() and all(s.busy == 0 for s in f.sessions.values())]
+            if not idle:
+                raise SessionError("the worker is short of memory and every session is busy; retry later",
+                                   429, "overloaded")
+            victim = min(idle, key=lambda f: f.last_used)
+            self.evicted += len(victim.sessions)
+            logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
+                        time.monotonic() - victim.last_used)
+            await self._end_family(victim, "it was evicted: the worker ran short of memory")
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_EVERY_S)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if session.busy:
+                    continue
+                if now - session.last_used > session.idle_ttl_s:
+                    why = f"it was idle for more than {session.idle_ttl_s:g}s"
+                elif now - session.created > self.settings.session_max_lifetime_s:
+                    why = f"it reached the maximum lifetime of {self.settings.session_max_lifetime_s:g}s"
+                else:
+                    continue
+                self.expired += 1
+                with contextlib.suppress(Exception):
+                    await self._close(session, why)
+            for family in list(self.families.values()):
+                if family.ended is None and not family.lock.locked() and _exited(family.pidfd):
+                    await self._end_family(family, "its processes were lost")
+
+    # --- cells ----------------------------------------------------------------------------------
+
+    async def execute(self, request: ExecRequest, queued: float) -> ExecResult:
+        """Run `request` as the next cell of its session. SessionError for an unknown or ended one."""
+        assert request.session is not None
+        session = self.lookup(request.session)
+        profile = self.image.profile(session.profile)
+        if request.cell_id is not None:
+            earlier = session.cell_ids.get(request.cell_id)
+            if earlier is not None:
+                return (await asyncio.shield(earlier)).model_copy(update={"id": request.id})
+            fut: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
+            session.cell_ids[request.cell_id] = fut
+            while len(session.cell_ids) > CELL_IDS_KEPT:
+                session.cell_ids.popitem(last=False)
+        admitted = admit(request, self.settings)
+        session.busy += 1
+        try:
+            async with session.family.lock:
+                if session.family.ended is not None or self.sessions.get(session.id) is not session:
+                    raise session_lost(session.id, self._ended.get(session.id, "it ended"))
+                queue_s = time.monotonic() - queued
+                session.cells += 1
+                result = await self._cell(session, admitted.code, admitted.stdin, admitted.limits)
+        except BaseException as exc:
+            if request.cell_id is not None:
+                fut = session.cell_ids.pop(request.cell_id)
+                if isinstance(exc, SessionError):
+                    fut.set_exception(exc)
+                    fut.exception()  # retrieved: nobody else may wait for it
+                else:
+                    fut.cancel()
+            raise
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+        result.session = session.id
+        result.execution_count = session.cells
+        result = self._finish(request, result, profile)
+        result.queue_s = round(queue_s, 6)
+        result.worker = f"{self.worker}/sessions"
+        if request.cell_id is not None:
+            session.cell_ids[request.cell_id].set_result(result)
+        return result
+
+    async def _cell(self, session: Session, code: bytes, stdin: bytes, limits: LimitValues) -> ExecResult:
+        family = session.family
+        cg = family.cgroup
+        loop = asyncio.get_running_loop()
+        out = Outcome(started=True)
+        usage0 = cg.memory_usage()
+        cg.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
+        cg.set_pids_max(cg.pids_current() + limits.processes + FAMILY_PIDS)
+        cg.reset_peak()
+        oom0, pids0 = cg.oom_kills(), cg.pids_limit_hits()
+        cpu0 = cg.cpu_usage_ns()
+        stopping = False
+
+        def stop() -> None:
+            nonlocal stopping
+            if not stopping:
+                stopping = True
+                with contextlib.suppress(OSError):
+                    family.sock.send(b'{"op":"kill"}')
+
+        def overflow() -> None:
+            out.output_overflow = True
+            stop()
+
+        done: dict[str, Any] | None = None
+        cpu_exceeded = False
+        with _CallFiles(code, stdin, None, None, 0, REPORT_BYTES) as call:
+            try:
+                msg = {"op": "cell", "sid": session.index, "seq": session.cells, "n": session.cells,
+                       "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
+                       "fsize_bytes": limits.file_size_mb << 20}
+                socket.send_fds(family.sock, [json.dumps(msg).encode()], call.theirs)
+            except OSError:
+                call.close_theirs()
+                await self._end_family(family, "its processes were lost")
+                raise session_lost(session.id, "its processes were lost") from None
+            call.close_theirs()
+            t0 = time.monotonic()
+            drains = call.drain(loop, limits.output_bytes, overflow)
+            budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
+            while done is None:
+                remaining = t0 + budget - time.monotonic()
+                data, why = await receive(family.sock, remaining, None if cpu_exceeded else int(limits.cpu_s * 1e9),
+                                          None if cpu_exceeded else cpu0, cg)
+                if why == "cpu":
+                    cpu_exceeded = True
+                    stop()
+                    continue
+                got = _message(data) if data else None
+                if why == "wall" or got is None:
+                    break
+                if got.get("op") == "cell_done":
+                    done = got
+            out.wall_s = time.monotonic() - t0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
+            out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
+            out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
+            out.report = _read_report(call.report, REPORT_BYTES)
+            setup = _read_report(call.setup, REPORT_BYTES)
+            if setup is not None:
+                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+        with contextlib.suppress(OSError, ValueError):
+            out.oom_killed = cg.oom_kills() > oom0
+            out.pids_limit_hit = cg.pids_limit_hits() > pids0
+            peak = cg.memory_peak()
+            if peak is not None:
+                out.memory_peak_kb = max(0, peak - usage0) >> 10
+            cg.set_memory_limit(family.memory_cap)
+        cpu1 = cg.cpu_usage_ns()
+        cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
+        if done is None or done.get("lost"):
+            why = "the cell outlived its limits and its session could not be rolled back" if done is None \
+                else "its process ended during the cell and there was nothing to roll back to"
+            await self._end_family(family, why) if len(family.sessions) <= 1 or done is None \
+                else await self._drop(session, why)
+            result = classify(out, limits)
+            result.status, result.message = Status.session_lost, f"the session has ended: {why}"
+            return result
+        kept = done.get("kept") is True
+        wait_status = done.get("wait_status")
+        exit_code = done.get("exit_code")
+        if kept:
+            wait_status = ((exit_code if isinstance(exit_code, int) else 0) & 0xFF) << 8
+        out.exited = Exited.parse({
+            "wait_status": wait_status if isinstance(wait_status, int) else 0, "wall_s": done.get("wall_s", out.wall_s),
+            "cpu_s": cpu_s, "timed_out": done.get("timed_out") is True, "killed": done.get("killed") is True})
+        if cpu_exceeded:
+            out.exited = Exited.parse({"wait_status": signal.SIGKILL, "wall_s": out.exited.wall_s,
+                                       "cpu_s": max(cpu_s, limits.cpu_s)})
+        result = classify(out, limits)
+        if out.exited.killed and not out.output_overflow and not cpu_exceeded:
+            result.message = "the cell was stopped by the service"
+        result.rolled_back = not kept
+        if not kept:
+            written = done.get("written")
+            result.written_files = [str(p)[:500] for p in written[:100]] if isinstance(written, list) else []
+        return result
+
+    async def _drop(self, session: Session, why: str) -> None:
+        session.family.sessions.pop(session.index, None)
+        self._forget(session, why)
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [s.describe() for s in self.sessions.values()]
+
+
+def _exited(pidfd: int) -> bool:
+    import select
+
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _session_key(state_dir: Path) -> bytes:
+    """The key of this host's session ids (kept across restarts, so old ids read as ended)."""
+    path = state_dir / "session.key"
+    with contextlib.suppress(FileNotFoundError):
+        key = path.read_bytes()
+        if len(key) >= 32:
+            return key
+    key = secrets.token_bytes(32)
+    with contextlib.suppress(OSError):
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    return key
+
