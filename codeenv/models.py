@@ -133,6 +133,53 @@ class ExecRequest(BaseModel):
         return self
 
 
+class SessionCreate(BaseModel):
+    """A new live session (POST /v1/sessions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: Text | None = Field(None, description="zygote profile its interpreter forks from (default: the "
+                                                   "server's CODEENV_SESSION_PROFILE, math)")
+    limits: Limits = Field(default_factory=Limits, description="each cell's limits unless the cell sets its own")
+    idle_ttl_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False,
+                                     description="it ends after this long without a cell (default: the server's, "
+                                                 "10 minutes)")
+
+
+class SessionCell(BaseModel):
+    """The next cell of a session (POST /v1/sessions/{id}/execute)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: Text
+    stdin: Text = ""
+    limits: Limits = Field(default_factory=Limits)
+    cell_id: Text | None = Field(None, max_length=128, description="a retried cell with the same id gets the first "
+                                                                  "one's result and never runs twice")
+    id: Text | None = Field(None, max_length=128, description="the caller's call id, echoed in the result")
+
+    def to_request(self, session_id: str) -> ExecRequest:
+        return ExecRequest(code=self.code, stdin=self.stdin, limits=self.limits, id=self.id, session=session_id,
+                           cell_id=self.cell_id, display_last=True)
+
+
+class SessionInfo(BaseModel):
+    """A live session."""
+
+    session_id: str = Field(description="unguessable; whoever holds it (and the token, if one is set) may use it")
+    profile: str
+    age_s: float
+    idle_s: float
+    cells: int = Field(description="cells run so far (its execution_count)")
+    family_memory_bytes: int | None = Field(None, description="memory of its family (it and its forks)")
+    family_sessions: int = Field(description="sessions in its family (it and its forks)")
+    idle_ttl_s: float
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionInfo]
+
+
 class ErrorInfo(BaseModel):
     """An uncaught exception, as the program itself reported it."""
 
@@ -173,7 +220,8 @@ class ExecResult(BaseModel):
     execution_count: int | None = Field(None, description="a session's cell number (Jupyter's In[n]/Out[n])")
     rolled_back: bool | None = Field(None, description="a session's cell stopped by a limit: the session is as "
                                                        "before it (its written files stay, see written_files)")
-    written_files: list[str] | None = Field(None, description="files a rolled-back cell wrote; they remain")
+    written_files: list[str] | None = Field(None, description="files a rolled-back cell created, changed or deleted "
+                                                         "(\"PATH (deleted)\"): they are not restored")
 
     _encoded: str | None = PrivateAttr(None)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -37,10 +37,13 @@ class Guard:
     the client hanging up (http.disconnect) while its calls wait.
     """
 
-    def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str]) -> None:
+    def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str],
+                 json_route: Callable[[str, str], bool] | None = None) -> None:
+        """`json_route(method, path)`: also a route that takes JSON (paths with ids in them)."""
         self.app = app
         self.settings = settings
         self.json_paths = frozenset(json_paths)
+        self.json_route = json_route
         self.expected = f"Bearer {settings.token}".encode() if settings.token is not None else None
         bound = settings.host.strip("[]").lower()
         self.hosts = {bound, "localhost", "127.0.0.1", "::1", *(h.lower() for h in settings.allowed_hosts)}
@@ -58,16 +61,19 @@ class Guard:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            if scope["method"] == "POST" and scope["path"] in self.json_paths:
+            routed = self.json_route is not None and self.json_route(scope["method"], scope["path"])
+            if scope["method"] == "POST" and (scope["path"] in self.json_paths or routed):
                 media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-                if media != b"application/json":
+                # A route with ids in its path (a session's) also takes no body at all, as {}.
+                empty_ok = routed and not media and headers.get(b"content-length", b"0") == b"0"
+                if media != b"application/json" and not empty_ok:
                     shown = media.decode("latin-1") or "none"
                     raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got {shown})")
                 body = await self._read_body(headers, receive)
                 if body is None:
                     return  # the client went away while sending
                 try:
-                    scope[JSON_BODY] = json.loads(body)
+                    scope[JSON_BODY] = json.loads(body) if body or not empty_ok else {}
                 except RecursionError:  # the C decoder refuses nesting past the recursion limit
                     raise ApiError(400, "the JSON body is nested too deeply") from None
                 except ValueError as exc:

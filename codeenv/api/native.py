@@ -10,8 +10,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, refusal, split_batch
-from codeenv.errors import ApiError, QueueUnavailable
+from codeenv.api.service import (
+    NATIVE_STATUS,
+    NO_SESSIONS,
+    RETRY_AFTER_S,
+    Gateway,
+    merge,
+    parse,
+    refusal,
+    sessions_supported,
+    split_batch,
+)
+from codeenv.errors import ApiError, InvalidRequest, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 
 logger = logging.getLogger("codeenv.api")
@@ -50,7 +60,10 @@ def router(gateway: Gateway) -> APIRouter:
                          429: {"description": "overloaded: retry after Retry-After seconds"}})
     async def execute(request: Request) -> Response:
         """Run one program and return its structured result."""
-        [result] = await gateway.answer(request, [parse(request, ExecRequest)])
+        one = parse(request, ExecRequest)
+        if one.session is not None and not sessions:
+            raise ApiError(501, NO_SESSIONS.format(queue=type(calls).__name__))
+        [result] = await gateway.answer(request, [one])
         error = refusal(result, NATIVE_STATUS)
         if error is not None and result.status == Status.rejected:
             raise error
@@ -58,9 +71,17 @@ def router(gateway: Gateway) -> APIRouter:
             return _json(result, error.status_code, error.headers)
         return _json(result)
 
+    sessions = sessions_supported(calls)
+
+    def call(item: object) -> ExecRequest:
+        request = ExecRequest.model_validate(item)
+        if request.session is not None and not sessions:
+            raise InvalidRequest(NO_SESSIONS.format(queue=type(calls).__name__))
+        return request
+
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
         """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
-        return split_batch(request, settings.max_batch, ExecRequest.model_validate)
+        return split_batch(request, settings.max_batch, call)
 
     @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"))
     async def execute_batch(request: Request) -> Response:

@@ -33,6 +33,16 @@ NATIVE_STATUS: Mapping[Status, int] = {Status.rejected: 422, Status.overloaded: 
 SANDBOX_FUSION_STATUS: Mapping[Status, int] = {Status.rejected: 422, Status.overloaded: 504}
 
 
+#: What a gateway whose queue runs no sessions answers a session's cell.
+NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool); this gateway's queue "
+               "({queue}) does not route them to a worker yet")
+
+
+def sessions_supported(queue: object) -> bool:
+    """Whether the queue's pool runs sessions (embedded mode)."""
+    return getattr(getattr(queue, "pool", None), "sessions", False) is not False
+
+
 def refusal(result: ExecResult, statuses: Mapping[Status, int]) -> ApiError | None:
     """The HTTP error to answer instead of this result, or None if it is answered with 200."""
     code = statuses.get(result.status)

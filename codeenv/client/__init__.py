@@ -12,13 +12,22 @@ Usage::
 """
 
 from codeenv.client._async import AsyncClient, Recorder
+from codeenv.client._session import AsyncSession
 from codeenv.client._sync import Client
-from codeenv.client.errors import ClientClosed, ClientError, RequestRejected, ServerError, TransportError
+from codeenv.client.errors import (
+    ClientClosed,
+    ClientError,
+    RequestRejected,
+    ServerError,
+    SessionLost,
+    TransportError,
+)
 from codeenv.client.feedback import format_feedback, neutralize, truncate_middle
 from codeenv.models import ErrorInfo, ExecRequest, ExecResult, JudgeResult, Status
 
 __all__ = [
     "AsyncClient",
+    "AsyncSession",
     "Client",
     "ClientClosed",
     "ClientError",
@@ -29,6 +38,7 @@ __all__ = [
     "Recorder",
     "RequestRejected",
     "ServerError",
+    "SessionLost",
     "Status",
     "TransportError",
     "format_feedback",

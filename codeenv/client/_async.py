@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 import httpx
 
+from codeenv.client._session import SessionStarter, session_request
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
-from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
+from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, SessionInfo, Status
 
 
 class Recorder(Protocol):
@@ -167,6 +168,23 @@ class AsyncClient:
         prepared = [r if isinstance(r, ExecRequest) else ExecRequest(code=r) if isinstance(r, str)
                     else ExecRequest.model_validate(dict(r)) for r in requests]
         return list(await asyncio.gather(*(self.submit(r) for r in prepared)))
+
+    def session(self, *, profile: str | None = None, limits: Mapping[str, Any] | None = None,
+                idle_ttl_s: float | None = None) -> SessionStarter:
+        """A live session: ``async with client.session() as s: await s.run("x = 1")`` (closed at the
+        end of the block), or ``s = await client.session()`` (close it yourself)."""
+        body: dict[str, Any] = {"limits": dict(limits or {})}
+        if profile is not None:
+            body["profile"] = profile
+        if idle_ttl_s is not None:
+            body["idle_ttl_s"] = idle_ttl_s
+        return SessionStarter(self, body)
+
+    async def _session_request(self, method: str, path: str, body: dict[str, Any] | None = None) -> SessionInfo | None:
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        self.requests_sent += 1
+        return await session_request(self._http, method, path, body, self.timeout_s)
 
     # --- batching -------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from codeenv.client._async import AsyncClient, Recorder
+from codeenv.client._session import AsyncSession
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
 
@@ -50,6 +51,10 @@ class Client:
     def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
         return self._call(self._client.run_many(list(requests)))
 
+    def session(self, **options: Any) -> Session:
+        """A live session (AsyncClient.session's options), blocking: ``with client.session() as s:``."""
+        return Session(self, self._call(self._client.session(**options)._start()))
+
     @property
     def requests_sent(self) -> int:
         return self._client.requests_sent
@@ -67,6 +72,30 @@ class Client:
             self._loop.close()
 
     def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """AsyncSession, blocking."""
+
+    def __init__(self, client: Client, inner: AsyncSession) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+
+    def run(self, code: str, **options: Any) -> ExecResult:
+        return self._client._call(self._inner.run(code, **options))
+
+    def fork(self) -> Session:
+        return Session(self._client, self._client._call(self._inner.fork()))
+
+    def close(self) -> None:
+        self._client._call(self._inner.close())
+
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,8 @@ retries is an ExecResult with that status. These are for calls that got no resul
     ├── ClientClosed        the client was closed before the call finished
     ├── TransportError      the service could not be reached (connection refused, reset, timed out)
     └── ServerError         the service answered, but not with results
-        └── RequestRejected the service refused the request as a whole (4xx: auth, size)
+        ├── RequestRejected the service refused the request as a whole (4xx: auth, size)
+        └── SessionLost     a session that ended (410) or never existed there (404)
 """
 
 from __future__ import annotations
@@ -35,3 +36,7 @@ class ServerError(ClientError):
 
 class RequestRejected(ServerError):
     """The service refused the request as a whole (bad token, body too large, malformed)."""
+
+
+class SessionLost(ServerError):
+    """The session ended (expired, evicted, deleted, its worker restarted) or never existed there."""

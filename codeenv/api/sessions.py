@@ -1,0 +1,130 @@
+"""Live sessions over HTTP (`/v1/sessions`): create, run cells, fork, delete, list.
+
+Cells of many sessions can also go in one `/v1/execute/batch` or `/v1/execute/stream` request: an
+item that names a `session` runs as that session's next cell. Sessions live in the worker that owns
+them: in embedded mode (`codeenv serve`) that is this process's pool; with Redis the endpoints
+answer 501 until sessions are routed across workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from codeenv.api.native import body_schema
+from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, parse, refusal
+from codeenv.errors import ApiError, InvalidRequest, SessionError
+from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
+from codeenv.sandbox.sessions import SessionManager
+
+PREFIX = "/v1/sessions"
+ERRORS: dict[int | str, dict[str, Any]] = {404: {"description": "no such session: it never existed here"},
+          410: {"description": "the session ended (expired, evicted, deleted, or its worker restarted)"},
+          422: {"description": "the request cannot be run as sent"},
+          429: {"description": "the worker holds as many sessions as it may: retry after Retry-After seconds"},
+          501: {"description": "this gateway's queue does not run sessions"}}
+
+
+def is_json_route(method: str, path: str) -> bool:
+    """The session routes that take a JSON body (the Guard reads and parses it)."""
+    return method == "POST" and (path == PREFIX or (path.startswith(PREFIX + "/") and path.endswith("/execute")))
+
+
+def session_manager(gateway: Gateway) -> SessionManager:
+    """The sessions of the pool behind this gateway; ApiError 501 if its queue has none."""
+    pool = getattr(gateway.queue, "pool", None)
+    manager = getattr(pool, "sessions", None)
+    if not isinstance(manager, SessionManager):
+        raise ApiError(501, NO_SESSIONS.format(queue=type(gateway.queue).__name__))
+    return manager
+
+
+def _error(exc: SessionError) -> ApiError:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return ApiError(exc.status, str(exc), headers)
+
+
+def router(gateway: Gateway) -> APIRouter:
+    api = APIRouter()
+
+    @api.post(PREFIX, status_code=201, response_model=SessionInfo, openapi_extra=body_schema("SessionCreate"),
+              responses=ERRORS)
+    async def create(request: Request) -> Response:
+        """Start a live session: an interpreter whose globals, imports, open files and work dir last
+        from cell to cell, until it is deleted or idle for `idle_ttl_s`."""
+        body = parse(request, SessionCreate)
+        manager = session_manager(gateway)
+        try:
+            session = await manager.create(body.profile, body.limits, body.idle_ttl_s)
+        except SessionError as exc:
+            raise _error(exc) from None
+        except InvalidRequest as exc:
+            raise ApiError(422, str(exc)) from None
+        return JSONResponse(SessionInfo(**session.describe()).model_dump(), 201,
+                            {"Location": f"{PREFIX}/{session.id}"})
+
+    @api.get(PREFIX, response_model=SessionList, responses={501: ERRORS[501]})
+    async def listing() -> SessionList:
+        """The live sessions of this worker: age, idle time, cells, family memory."""
+        manager = session_manager(gateway)
+        return SessionList(sessions=[SessionInfo(**d) for d in manager.describe()])
+
+    @api.get(PREFIX + "/{session_id}", response_model=SessionInfo, responses=ERRORS)
+    async def show(session_id: str) -> SessionInfo:
+        """One live session."""
+        try:
+            return SessionInfo(**session_manager(gateway).lookup(session_id).describe())
+        except SessionError as exc:
+            raise _error(exc) from None
+
+    @api.post(PREFIX + "/{session_id}/execute", response_model=ExecResult, openapi_extra=body_schema("SessionCell"),
+              responses=ERRORS)
+    async def execute(session_id: str, request: Request) -> Response:
+        """Run the next cell: the result of /v1/execute, plus `value` (the repr of its last
+        expression), `execution_count` and `rolled_back` (a cell stopped by a limit leaves the
+        session exactly as before it)."""
+        cell = parse(request, SessionCell)
+        manager = session_manager(gateway)
+        try:
+            manager.lookup(session_id)
+        except SessionError as exc:
+            raise _error(exc) from None
+        [result] = await gateway.answer(request, [cell.to_request(session_id)])
+        return _answer(result)
+
+    @api.post(PREFIX + "/{session_id}/fork", status_code=201, response_model=SessionInfo, responses={
+        **ERRORS, 409: {"description": "its family holds as many sessions as one may"}})
+    async def fork(session_id: str) -> Response:
+        """A new session from this one's current state (copy-on-write; its work dir is copied). A fork
+        asked for while a cell runs waits for the cell to end."""
+        try:
+            child = await session_manager(gateway).fork(session_id)
+        except SessionError as exc:
+            raise _error(exc) from None
+        return JSONResponse(SessionInfo(**child.describe()).model_dump(), 201, {"Location": f"{PREFIX}/{child.id}"})
+
+    @api.delete(PREFIX + "/{session_id}", status_code=204, responses=ERRORS)
+    async def delete(session_id: str) -> Response:
+        """End a session: its processes and files are gone when this answers."""
+        try:
+            await session_manager(gateway).delete(session_id)
+        except SessionError as exc:
+            raise _error(exc) from None
+        return Response(status_code=204)
+
+    return api
+
+
+def _answer(result: ExecResult) -> Response:
+    body = result.encoded()
+    if result.status == Status.session_lost:
+        return Response(body, 410, media_type="application/json")
+    if result.status == Status.rejected:
+        return Response(body, 404 if result.message and result.message.startswith("no session") else 422,
+                        media_type="application/json")
+    error = refusal(result, NATIVE_STATUS)
+    if error is not None:
+        return Response(body, error.status_code, error.headers, media_type="application/json")
+    return Response(body, media_type="application/json")

@@ -1,0 +1,503 @@
+"""Live sessions (issue 21): state that persists, rollback without replay, forks, lifetimes, and
+isolation between sessions and between a session and a call. Real jails, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
+from codeenv.api import create_app
+from codeenv.client import AsyncClient
+from codeenv.errors import SessionError
+from codeenv.sandbox.sessions import Session, SessionManager
+from codeenv.sandbox.uids import uids_in_use
+from codeenv.settings import GatewaySettings
+from tests.conftest import SharedPoolQueue, serving, until
+
+pytestmark = pytest.mark.jail
+
+
+def manager(pool: SlotPool) -> SessionManager:
+    assert pool.sessions is not None
+    return pool.sessions
+
+
+async def cell(pool: SlotPool, session: Session | str, code: str, **limits: Any) -> ExecResult:
+    sid = session if isinstance(session, str) else session.id
+    return await pool.run(ExecRequest(code=code, session=sid, limits=limits, display_last=True))
+
+
+def traces(m: SessionManager, session: Session) -> dict[str, Any]:
+    """What of a session's family can be seen from outside: processes under its host uid, its cgroup."""
+    uid = m.family_uid + session.family.uid_index
+    cgroups = [d for d in m.tree.bases.values() if (d / f"family{session.family.fid}").exists()]
+    return {"processes": [pid for u, pid in uids_in_use().items() if u == uid], "cgroups": cgroups}
+
+
+#: A child process that outlives its cell (the image has no shell tools).
+SLEEPER = "[sys.executable, '-c', 'import time; time.sleep(60)']"
+
+
+async def gone(m: SessionManager, session: Session) -> None:
+    await until(lambda: traces(m, session) == {"processes": [], "cgroups": []}, "the family's traces are gone", 10)
+
+
+async def test_state_persists_and_values_come_back(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("math")
+    try:
+        first = await cell(pool, s, "import math\nx = 41\ndef f(n):\n    return n + x")
+        assert first.status == "ok" and first.value is None and first.execution_count == 1
+        second = await cell(pool, s, "x += 1\nf(0)")
+        assert second.status == "ok", second
+        assert second.value == "42" and second.execution_count == 2 and second.rolled_back is False
+        assert second.session == s.id
+        files = await cell(pool, s, "open('notes.txt', 'w').write('kept')\nfh = open('notes.txt')")
+        assert files.status == "ok"
+        read = await cell(pool, s, "fh.read(), math.pi > 3")
+        assert read.value == "('kept', True)"
+        # Random state too: CPython reseeds `random` in a forked child, a session's cell must not.
+        await cell(pool, s, "import random, numpy\nrandom.seed(1)\nnumpy.random.seed(1)")
+        drawn = await cell(pool, s, "random.random(), numpy.random.random()")
+        fresh = await cell(pool, s, "random.Random(1).random(), numpy.random.RandomState(1).random()")
+        assert drawn.value == fresh.value
+    finally:
+        await m.delete(s.id)
+
+
+async def test_an_exception_keeps_the_effects_before_it(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        failed = await cell(pool, s, "y = 1\nprint('before')\n1 / 0\ny = 2")
+        assert failed.status == "error" and not failed.rolled_back
+        assert failed.error is not None and failed.error.type == "ZeroDivisionError" and failed.error.line == 3
+        assert failed.stdout == "before\n" and 'File "<cell 1>", line 3' in failed.stderr
+        assert "zygote" not in failed.stderr  # the traceback shows the cell, not the machinery
+        assert (await cell(pool, s, "y")).value == "1"
+        exited = await cell(pool, s, "y = 5\nraise SystemExit(3)")
+        assert exited.status == "error" and exited.exit_code == 3 and not exited.rolled_back
+        assert (await cell(pool, s, "y")).value == "5"
+    finally:
+        await m.delete(s.id)
+
+
+ROLLBACK_STATE = """
+import numpy as np
+def gen():
+    yield from range(100)
+it = gen()
+next(it), next(it)
+a = np.arange(6.0)
+fd = open('log.txt', 'w')
+n = 0
+"""
+
+
+@pytest.mark.parametrize("stop, limits, status", [
+    ("n = 99\nnext(it)\na[:] = 0\nwhile True: pass", {"cpu_s": 1, "wall_s": 5}, "timeout"),
+    ("n = 99\nnext(it)\na[:] = 0\nimport time\ntime.sleep(30)", {"wall_s": 1}, "timeout"),
+    ("n = 99\nnext(it)\na[:] = 0\nhog = bytearray(400 << 20)\nhog[::4096] = b'x' * len(hog[::4096])",
+     {"memory_mb": 128, "cpu_s": 20, "wall_s": 20}, "memory"),
+    ("n = 99\nnext(it)\na[:] = 0\nwhile True:\n    print('x' * 10000)", {"output_bytes": 10000}, "output_limit"),
+    ("n = 99\nnext(it)\na[:] = 0\nimport os\nos._exit(7)", {}, "error"),
+])
+async def test_a_cell_stopped_by_a_limit_is_rolled_back(pool: SlotPool, stop: str, limits: dict[str, Any],
+                                                        status: str) -> None:
+    m = manager(pool)
+    s = await m.create("math")
+    try:
+        assert (await cell(pool, s, ROLLBACK_STATE)).status == "ok"
+        stopped = await cell(pool, s, stop, **limits)
+        assert stopped.status == status, stopped
+        assert stopped.rolled_back is True and stopped.execution_count == 2
+        after = await cell(pool, s, "fd.write('still open'); fd.flush()\nn, next(it), a.tolist()")
+        assert after.status == "ok", after
+        assert after.value == "(0, 2, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])"
+        assert not after.rolled_back and after.execution_count == 3
+    finally:
+        await m.delete(s.id)
+
+
+async def test_files_a_rolled_back_cell_wrote_are_listed_and_remain(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        await cell(pool, s, "open('before.txt', 'w').write('1')")
+        stopped = await cell(pool, s, "import os\nos.mkdir('d')\nopen('d/new.txt', 'w').write('2')\nwhile True: pass",
+                             cpu_s=0.5)
+        assert stopped.rolled_back and stopped.status == "timeout"
+        assert sorted(stopped.written_files or []) == ["d", "d/new.txt"]
+        listing = await cell(pool, s, "import os\nsorted(os.listdir('.')), open('d/new.txt').read()")
+        assert listing.value == "(['before.txt', 'd'], '2')"
+    finally:
+        await m.delete(s.id)
+
+
+async def test_a_fork_diverges_from_its_parent(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        await cell(pool, s, "xs = [1, 2]\nopen('shared.txt', 'w').write('parent')")
+        child = await m.fork(s.id)
+        assert child.id != s.id and child.cells == 1
+        await cell(pool, child, "xs.append('child')\nopen('shared.txt', 'w').write('child')")
+        await cell(pool, s, "xs.append('parent')")
+        assert (await cell(pool, child, "xs, open('shared.txt').read()")).value == "([1, 2, 'child'], 'child')"
+        assert (await cell(pool, s, "xs, open('shared.txt').read()")).value == "([1, 2, 'parent'], 'parent')"
+        # Deleting the parent leaves the fork.
+        await m.delete(s.id)
+        assert (await cell(pool, child, "len(xs)")).value == "3"
+    finally:
+        for sid in (s.id, child.id):
+            if sid in m.sessions:
+                await m.delete(sid)
+
+
+async def test_a_fork_asked_for_while_a_cell_runs_waits_for_it(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        running = asyncio.create_task(cell(pool, s, "import time\ntime.sleep(0.5)\nstate = 'after the cell'"))
+        await asyncio.sleep(0.1)
+        child = await m.fork(s.id)
+        assert (await running).status == "ok"
+        assert (await cell(pool, child, "state")).value == "'after the cell'"
+    finally:
+        await m.delete(s.id)
+
+
+async def test_cells_of_one_session_run_one_at_a_time_in_arrival_order(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        await cell(pool, s, "log = []")
+        code = "import time\nlog.append(('start', {i}))\ntime.sleep(0.1)\nlog.append(('end', {i}))"
+        results = await asyncio.gather(*(cell(pool, s, code.format(i=i)) for i in range(4)))
+        assert all(r.status == "ok" for r in results)
+        log = json.loads((await cell(pool, s, "import json\nprint(json.dumps(log))")).stdout)
+        assert log == [[kind, i] for i in range(4) for kind in ("start", "end")]
+        assert sorted(r.execution_count or 0 for r in results) == [2, 3, 4, 5]
+    finally:
+        await m.delete(s.id)
+
+
+async def test_a_retried_cell_id_runs_once(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        await cell(pool, s, "n = 0")
+        request = ExecRequest(code="import time\ntime.sleep(0.2)\nn += 1\nn", session=s.id, cell_id="c-1",
+                              display_last=True)
+        first, second = await asyncio.gather(pool.run(request), pool.run(request))
+        third = await pool.run(request)
+        assert first.value == second.value == third.value == "1"
+        assert first.execution_count == second.execution_count == 2
+        assert (await cell(pool, s, "n")).value == "1"
+    finally:
+        await m.delete(s.id)
+
+
+async def test_a_lock_held_by_a_background_thread_does_not_deadlock_later_cells(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        started = await cell(pool, s, """
+import threading, sys, time
+lock = threading.Lock()
+def spin():
+    while True:
+        with lock:
+            print('.' * 1000, end='', flush=True)
+        sys.stdout.write('')
+threading.Thread(target=spin, daemon=True).start()
+time.sleep(0.05)
+""", output_bytes=1 << 24)
+        assert started.status == "ok", started
+        for i in range(5):
+            later = await cell(pool, s, f"print('cell', {i})\nimport threading\nthreading.active_count()", wall_s=5)
+            assert later.status == "ok" and later.stdout == f"cell {i}\n", later
+            assert later.value == "1"  # the cell's process is a fork: the thread did not come along
+    finally:
+        await m.delete(s.id)
+
+
+async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    setup = await cell(pool, s, f"import subprocess, sys\np = subprocess.Popen({SLEEPER})\n"
+                                "open('big', 'wb').write(b'x' * 10**6)")
+    assert setup.status == "ok", setup
+    child = await m.fork(s.id)
+    assert traces(m, s)["processes"] and traces(m, s)["cgroups"]
+    await m.delete(s.id)
+    assert traces(m, child)["processes"], "the fork lives on"
+    await m.delete(child.id)
+    await gone(m, s)
+    with pytest.raises(SessionError) as lost:
+        m.lookup(s.id)
+    assert lost.value.status == 410 and "deleted" in str(lost.value)
+
+
+async def test_an_idle_session_expires(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light", idle_ttl_s=0.5)
+    await cell(pool, s, "x = 1")
+    await until(lambda: s.id not in m.sessions, "the idle session expired", 10)
+    await gone(m, s)
+    result = await cell(pool, s, "x")
+    assert result.status == "session_lost" and "idle" in (result.message or "")
+
+
+async def test_the_least_recently_used_idle_session_is_evicted_under_memory_pressure(
+        pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = manager(pool)
+    old = await m.create("light")
+    recent = await m.create("light")
+    await cell(pool, recent, "x = 1")
+    monkeypatch.setattr(m.settings, "session_min_available_mb", 1 << 30)  # more than any machine has
+    with pytest.raises(SessionError) as refused:  # evicts every idle session, then: nothing left to evict
+        await m.create("light")
+    assert refused.value.status == 429
+    for s in (old, recent):
+        await gone(m, s)
+        assert "evicted" in str(pytest.raises(SessionError, m.lookup, s.id).value)
+
+
+async def test_unknown_and_ended_ids_are_told_apart(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    await m.delete(s.id)
+    never = await cell(pool, "no-such-session", "1")
+    assert never.status == "rejected" and never.message is not None and never.message.startswith("no session")
+    forged = s.id.rsplit(".", 1)[0] + ".AAAAAAAAAAAAAAAAAAAAAAAA"
+    assert (await cell(pool, forged, "1")).status == "rejected"
+    ended = await cell(pool, s.id, "1")
+    assert ended.status == "session_lost" and not ended.started
+
+
+async def test_a_restarted_worker_answers_its_old_sessions_lost(tmp_path: Path) -> None:
+    settings = SandboxSettings(slots=1)
+    async with SlotPool(settings) as first:
+        s = await manager(first).create("light")
+        assert (await cell(first, s, "x = 1")).status == "ok"
+        family = s.family
+        seen = traces(manager(first), s)
+        assert seen["processes"]
+    # The pool is closed: its families are gone with it.
+    assert not [pid for u, pid in uids_in_use().items() if u == manager(first).family_uid + family.uid_index]
+    async with SlotPool(settings) as second:
+        result = await cell(second, s.id, "x")
+        assert result.status == "session_lost" and "restarted" in (result.message or "")
+
+
+# --- isolation ----------------------------------------------------------------------------------
+
+
+async def test_a_session_cannot_reach_another_session(pool: SlotPool) -> None:
+    m = manager(pool)
+    a, b = await m.create("light"), await m.create("light")
+    try:
+        setup = await cell(pool, a, """
+import os, socket, subprocess, sys
+secret = open('secret.txt', 'w'); secret.write('a'); secret.flush()
+srv = socket.socket(); srv.bind(('127.0.0.1', 45678)); srv.listen()
+abstract = socket.socket(socket.AF_UNIX); abstract.bind('\\0codeenv-a'); abstract.listen()
+child = subprocess.Popen(""" + SLEEPER + """)
+os.getpid(), os.getuid(), os.getcwd()
+""")
+        assert setup.status == "ok", setup
+        a_pid, a_uid, a_cwd = eval(setup.value or "")
+        probe = await cell(pool, b, f"""
+import os, socket, signal
+seen = {{}}
+seen['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+seen['uid'] = os.getuid()
+seen['file'] = os.path.exists({a_cwd!r} + '/secret.txt')
+try:
+    socket.create_connection(('127.0.0.1', 45678), timeout=1); seen['tcp'] = 'connected'
+except OSError as e:
+    seen['tcp'] = type(e).__name__
+try:
+    s = socket.socket(socket.AF_UNIX); s.connect('\\0codeenv-a'); seen['abstract'] = 'connected'
+except OSError as e:
+    seen['abstract'] = type(e).__name__
+seen['owners'] = sorted({{os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdigit()}})
+seen['home'] = os.listdir(os.path.dirname(os.getcwd()))
+seen
+""")
+        assert probe.status == "ok", probe
+        seen = eval(probe.value or "")
+        assert seen["uid"] != a_uid
+        # Its own pid namespace: its supervisor, its session's process and the cell, all its own uid.
+        # (A's processes have no pid here to signal: a pid names a process of this family only.)
+        assert seen["pids"] == [1, 2, 3] and seen["owners"] == [seen["uid"]]
+        assert a_pid in seen["pids"]  # the same number names another process in each family
+        assert seen["file"] is False and seen["tcp"] == "ConnectionRefusedError"
+        assert seen["abstract"] == "ConnectionRefusedError"
+        assert seen["home"] == ["s0"]
+        # A's own state is intact (its child process, as documented, ended with the cell that made it).
+        intact = await cell(pool, a, "secret.write('b'); srv.fileno() > 0, child.poll() is not None")
+        assert intact.value == "(True, True)"
+    finally:
+        await m.delete(a.id)
+        await m.delete(b.id)
+
+
+async def test_a_session_and_a_call_cannot_reach_each_other(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        setup = await cell(pool, s, "import socket, os\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 45679))\n"
+                                    "srv.listen()\nos.getuid()")
+        assert setup.status == "ok"
+        call = await pool.run(ExecRequest(code="""
+import os, socket
+try:
+    socket.create_connection(('127.0.0.1', 45679), timeout=1); print('connected')
+except OSError as e:
+    print(type(e).__name__)
+print(sorted(os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdigit()))
+""", profile="light"))
+        assert call.stdout.splitlines()[0] == "ConnectionRefusedError"
+        assert str(setup.value) not in call.stdout.splitlines()[1]
+    finally:
+        await m.delete(s.id)
+
+
+@pytest.mark.parametrize("code, status", [
+    ("import os\nos.unshare(os.CLONE_NEWNET)", "killed"),
+    ("import ctypes\nctypes.CDLL(None).mount(b'none', b'/work', b'tmpfs', 0, None)", "killed"),
+    ("import os\nos.setresuid(0, 0, 0)", "error"),
+    ("import os\nos.setgroups([])", "error"),
+])
+async def test_a_session_cannot_use_what_set_up_its_family(pool: SlotPool, code: str, status: str) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        await cell(pool, s, "x = 1")
+        result = await cell(pool, s, code)
+        assert result.status == status, result
+        if status == "error":
+            assert result.error is not None and "Errno 38" in result.error.message  # ENOSYS, as in a call
+        after = await cell(pool, s, "x")
+        assert after.value == "1"
+    finally:
+        await m.delete(s.id)
+
+
+async def test_a_cell_that_kills_its_session_loses_only_its_own_family(pool: SlotPool) -> None:
+    m = manager(pool)
+    s, other = await m.create("light"), await m.create("light")
+    try:
+        await cell(pool, other, "x = 'other'")
+        await cell(pool, s, "x = 'mine'")
+        # kill(-1) reaches every process of its own family but itself: the stopped pre-cell process.
+        # The cell ends by itself, so it is the session now.
+        survived = await cell(pool, s, "import os, signal\nos.kill(-1, signal.SIGKILL)\nx")
+        assert survived.status == "ok" and survived.value == "'mine'", survived
+        # The same, then a limit: there is nothing left to roll back to, and the session says so.
+        lost = await cell(pool, s, "import os, signal\nos.kill(-1, signal.SIGKILL)\nwhile True: pass", cpu_s=0.5)
+        assert lost.status == "session_lost" and lost.started, lost
+        assert (await cell(pool, s, "x")).status == "session_lost"
+        assert (await cell(pool, other, "x")).value == "'other'"
+    finally:
+        for sid in (s.id, other.id):
+            if sid in m.sessions:
+                await m.delete(sid)
+
+
+# --- the API and the client ---------------------------------------------------------------------
+
+
+def app_for(pool: SlotPool, **settings: Any) -> Any:
+    gateway_settings = GatewaySettings(slots=2, **settings)
+    return create_app(gateway_settings, SharedPoolQueue(pool, gateway_settings.max_queued))
+
+
+async def test_the_session_endpoints(pool: SlotPool) -> None:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost") as c:
+        created = await c.post("/v1/sessions", json={"profile": "light", "limits": {"wall_s": 5}})
+        assert created.status_code == 201, created.text
+        sid = created.json()["session_id"]
+        assert created.headers["location"] == f"/v1/sessions/{sid}"
+        bare = await c.post("/v1/sessions")  # no body at all is fine
+        assert bare.status_code == 201 and bare.json()["profile"] == "math"
+        ran = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 6\nx * 7"})
+        assert ran.status_code == 200 and ran.json()["value"] == "42" and ran.json()["execution_count"] == 1
+        rolled = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 0\nwhile True: pass",
+                                                                   "limits": {"cpu_s": 0.5}})
+        assert rolled.json()["status"] == "timeout" and rolled.json()["rolled_back"] is True
+        forked = await c.post(f"/v1/sessions/{sid}/fork")
+        assert forked.status_code == 201
+        fid = forked.json()["session_id"]
+        batch = await c.post("/v1/execute/batch", json={"requests": [
+            {"code": "x", "session": sid, "display_last": True},
+            {"code": "x + 1", "session": fid, "display_last": True},
+            {"code": "print('a plain call')"},
+            {"code": "x", "session": "nope"},
+        ]})
+        results = batch.json()["results"]
+        assert [r["status"] for r in results] == ["ok", "ok", "ok", "rejected"]
+        assert [r["value"] for r in results[:2]] == ["6", "7"]
+        listing = (await c.get("/v1/sessions")).json()["sessions"]
+        assert {sid, fid} <= {s["session_id"] for s in listing}
+        assert all(s["family_memory_bytes"] > 0 for s in listing)
+        assert (await c.get(f"/v1/sessions/{sid}")).json()["cells"] == 3
+        assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 204
+        assert (await c.post(f"/v1/sessions/{sid}/execute", json={"code": "1"})).status_code == 410
+        assert (await c.post("/v1/sessions/never/execute", json={"code": "1"})).status_code == 404
+        assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 410
+        assert (await c.post(f"/v1/sessions/{sid}/fork")).status_code == 410
+        bad = await c.post(f"/v1/sessions/{fid}/execute", json={"code": "1", "files": {"a": ""}})
+        assert bad.status_code == 422
+        over = await c.post("/v1/sessions", json={"limits": {"wall_s": 10**6}})
+        assert over.status_code == 422 and "wall_s" in over.text
+        for s in (fid, bare.json()["session_id"]):
+            assert (await c.delete(f"/v1/sessions/{s}")).status_code == 204
+
+
+async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
+    app = app_for(pool, token="sesame-sesame-sesame")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+        assert (await c.post("/v1/sessions", json={})).status_code == 401
+        assert (await c.get("/v1/sessions")).status_code == 401
+        token = {"authorization": "Bearer sesame-sesame-sesame"}
+        created = await c.post("/v1/sessions", json={"profile": "light"}, headers=token)
+        sid = created.json()["session_id"]
+        assert (await c.post(f"/v1/sessions/{sid}/execute", json={"code": "1"})).status_code == 401
+        assert (await c.delete(f"/v1/sessions/{sid}", headers=token)).status_code == 204
+
+
+@pytest.mark.redis
+async def test_with_redis_the_session_endpoints_say_so(client: httpx.AsyncClient) -> None:
+    if "Redis" not in type(client._transport.app.state.queue).__name__:  # type: ignore[attr-defined]
+        pytest.skip("the embedded mode runs sessions")
+    created = await client.post("/v1/sessions", json={})
+    assert created.status_code == 501 and "embedded mode" in created.text
+    batch = await client.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": "x"}]})
+    assert batch.json()["results"][0]["status"] == "rejected"
+    assert "embedded mode" in batch.json()["results"][0]["message"]
+
+
+async def test_the_client_runs_cells_micro_batched(pool: SlotPool) -> None:
+    async with serving(app_for(pool)) as url, AsyncClient(url) as client:
+        async with client.session(profile="light") as s:
+            await s.run("import random\nrandom.seed(7)\nstate = [random.random()]")
+            branches = [await s.fork() for _ in range(3)]
+            before = client.requests_sent
+            results = await asyncio.gather(*(b.run("state.append(random.random())\nlen(state), state[-1]")
+                                             for b in branches), client.run("print('a call')"))
+            assert client.requests_sent - before <= 2  # the cells and the call went out together
+            values = {r.value for r in results[:3]}
+            assert len(values) == 1 and results[3].stdout == "a call\n"  # same state, same draw
+            for b in branches:
+                await b.close()
+        lost = await s.run("1")
+        assert lost.status == "session_lost"
