@@ -99,6 +99,8 @@ class SandboxSettings(BaseSettings):
                               "hold; past it a new one is overloaded. 0: no sessions")
     session_profile: str | None = Field("math", description="profile a session forks from unless it names one "
                                         "(default: math; an image without it: its fullest profile)")
+    session_spares: bool = Field(True, description="keep one family per profile started ahead of demand, so "
+                                 "that creating a session only takes it")
     session_forks_max: int = Field(64, ge=1, description="sessions in one family (a session and its forks)")
     session_idle_ttl_s: float = Field(600, gt=0, description="a session idle this long ends (default 10 minutes)")
     session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")

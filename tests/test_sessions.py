@@ -160,6 +160,23 @@ async def test_a_fork_diverges_from_its_parent(pool: SlotPool) -> None:
                 await m.delete(sid)
 
 
+async def test_a_deleted_fork_leaves_no_process_in_its_family(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        forks = [await m.fork(s.id) for _ in range(3)]
+        for f in forks:
+            assert (await cell(pool, f, "1 + 1")).value == "2"
+            await m.delete(f.id)
+        # The supervisor, the session's process and this cell's: no fork, no zombie of one.
+        seen = await cell(pool, s, "import os\nsorted(open(f'/proc/{p}/stat').read().split()[2] "
+                                   "for p in os.listdir('/proc') if p.isdigit())")
+        states = eval(seen.value or "")
+        assert len(states) == 3 and "Z" not in states, seen
+    finally:
+        await m.delete(s.id)
+
+
 async def test_a_fork_asked_for_while_a_cell_runs_waits_for_it(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")

@@ -21,7 +21,8 @@ class Metrics:
              ("waiting", "Calls accepted and waiting for a slot (the queue's depth)"),
              ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
              ("workers", "Live workers behind this gateway"),
-             ("calls_run", "Calls the workers have run"))
+             ("calls_run", "Calls the workers have run"),
+             ("sessions", "Live sessions (embedded mode)"))
 
     def __init__(self, queue: CallQueue) -> None:
         self.queue = queue
@@ -49,7 +50,7 @@ class Metrics:
     def exposition(self) -> bytes:
         stats = self.queue.stats()
         for key, gauge in self.stats.items():
-            gauge.set(stats[key])
+            gauge.set(stats.get(key, 0))
         if not self.multiprocess:
             return generate_latest(self.registry)
         registry = CollectorRegistry()

@@ -11,7 +11,7 @@ from codeenv.models import ExecRequest, ExecResult
 
 #: The gauges of a queue that has no figures yet (see CallQueue.stats).
 NO_STATS: dict[str, float] = {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
-                              "oldest_wait_s": 0, "workers": 0}
+                              "oldest_wait_s": 0, "workers": 0, "sessions": 0}
 
 #: Called with (index in the submitted batch, result) as each call ends.
 OnResult = Callable[[int, ExecResult], None]

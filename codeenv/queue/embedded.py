@@ -77,7 +77,8 @@ class EmbeddedQueue:
         oldest = next(iter(self._waiting_since.values()), None)
         return {"slots": slots, "free_slots": free, "slot_restarts": self.pool.restarts,
                 "waiting": len(self._waiting_since), "calls_run": self.pool.calls_started,
-                "oldest_wait_s": 0.0 if oldest is None else time.monotonic() - oldest, "workers": 1}
+                "oldest_wait_s": 0.0 if oldest is None else time.monotonic() - oldest, "workers": 1,
+                "sessions": len(self.pool.sessions.sessions) if self.pool.sessions is not None else 0}
 
     def ready(self) -> bool:
         return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())

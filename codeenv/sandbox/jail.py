@@ -170,6 +170,7 @@ def session_jail_config(
               if m.dst == WORKDIR else m for m in config.mount]
     return dataclasses.replace(
         config, name=f"codeenv-sessions-{profile.name}", uidmap=ids, gidmap=ids, keep_caps=False, mount=mounts,
+        rlimit_nofile=max(config.rlimit_nofile or 0, families + 1024),  # a pidfd per family in the zygote
         cap=SESSION_CAPS, seccomp_string=[seccomp_policy(settings, image, sessions=True)],
         exec_bin=Exe(path=config.exec_bin.path, arg=[*config.exec_bin.arg[:-1], json.dumps(zygote_config)]),
     )

@@ -198,6 +198,7 @@ class SessionJail(ZygoteProcess):
             try:
                 self._send({"op": "create", "fid": fid, "uid": FAMILY_UID + uid_index,
                             "workdir_bytes": s.session_workdir_mb << 20, "workdir_inodes": s.workdir_inodes,
+                            "nofile": s.caps.open_files,
                             "deny_filter": family_filter_hex(s)}, [theirs.fileno()])
             except BaseException:
                 ours.close()
@@ -254,7 +255,8 @@ class SessionManager:
         self._counter = itertools.count(1)
         self._key = _session_key(settings.state_dir)
         self._reaper: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._spares: dict[str, asyncio.Task[Family]] = {}
+        self._closing = False
         self.evicted = 0
         self.expired = 0
 
@@ -294,13 +296,15 @@ class SessionManager:
         self._reaper = asyncio.create_task(self._reap(), name="codeenv-sessions")
 
     async def close(self) -> None:
+        self._closing = True
+        for spare in self._spares.values():
+            spare.cancel()
+        await asyncio.gather(*self._spares.values(), return_exceptions=True)
+        self._spares.clear()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(BaseException):
                 await self._reaper
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
         families = list(self.families.values())
         await asyncio.gather(*(self._end_family(f, "the worker is shutting down") for f in families),
                              return_exceptions=True)
@@ -350,34 +354,57 @@ class SessionManager:
             raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX); "
                                "end some, or retry later", 429, "overloaded")
         await self._make_room()
+        family = await self._take_spare(profile)
+        if family is None:
+            family = await self._start_family(profile)
+        self._refill(profile)
+        session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
+        logger.debug("session %s started (family %d, %s)", session.id, family.fid, profile.name)
+        family.sessions[0] = session
+        self.sessions[session.id] = session
+        return session
+
+    async def _take_spare(self, profile: Profile) -> Family | None:
+        """The family made ahead of demand for `profile`, if it is (or becomes) ready and alive."""
+        task = self._spares.pop(profile.name, None)
+        if task is None:
+            return None
+        try:
+            family = await asyncio.shield(task)
+        except Exception:  # it failed: the caller starts one itself, and says why if that fails too
+            return None
+        return family if family.ended is None and not family.sessions else None
+
+    def _refill(self, profile: Profile) -> None:
+        """Start the next family of `profile` ahead of demand (a session's creation then only takes it)."""
+        if not self.settings.session_spares or profile.name in self._spares or self._closing:
+            return
+        if len(self._free_uids) <= 1 or len(self.sessions) + 1 >= self.settings.sessions_max:
+            return  # the last uid is for a session asked for, not a spare
+        task = asyncio.create_task(self._start_family(profile), name=f"codeenv-spare-{profile.name}")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures: see _take_spare
+        self._spares[profile.name] = task
+
+    async def _start_family(self, profile: Profile) -> Family:
+        s = self.settings
         if not self._free_uids:
             raise SessionError(f"this worker holds {len(self.families)} session families, its most "
                                "(CODEENV_SESSIONS_MAX); end some, or retry later", 429, "overloaded")
         uid_index = self._free_uids.popleft()
         fid = next(self._fids)
+        cgroup: JailCgroup | None = None
         try:
-            family = await self._start_family(fid, uid_index, profile)
-        except BaseException:
-            self._free_uids.append(uid_index)
-            raise
-        session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
-        logger.debug("session %s started (family %d, %s)", session.id, fid, profile.name)
-        family.sessions[0] = session
-        self.sessions[session.id] = session
-        return session
-
-    async def _start_family(self, fid: int, uid_index: int, profile: Profile) -> Family:
-        s = self.settings
-        jail = await self._jail(profile)
-        cgroup = self.tree.group(f"family{fid}")
-        memory_cap = s.session_memory_mb << 20
-        try:
+            jail = await self._jail(profile)
+            cgroup = self.tree.group(f"family{fid}")
+            memory_cap = s.session_memory_mb << 20
             cgroup.set_memory_limit(memory_cap)
             cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
             cgroup.set_cpu_limit(s.cpus_per_call)
             sock, pidfd = await jail.create(fid, uid_index)
         except BaseException:
-            await asyncio.to_thread(cgroup.remove)
+            if cgroup is not None:
+                await asyncio.to_thread(cgroup.remove)
+            self._free_uids.append(uid_index)
             raise
         family = Family(fid, uid_index, jail, sock, pidfd, cgroup, memory_cap)
         self.families[fid] = family
@@ -608,7 +635,7 @@ class SessionManager:
             try:
                 msg = {"op": "cell", "sid": session.index, "seq": session.cells, "n": session.cells,
                        "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
-                       "fsize_bytes": limits.file_size_mb << 20}
+                       "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files}
                 socket.send_fds(family.sock, [json.dumps(msg).encode()], call.theirs)
             except OSError:
                 call.close_theirs()

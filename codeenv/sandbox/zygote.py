@@ -954,6 +954,7 @@ def _session_loop(ch, main, count):
             msg = {}
         op = msg.get("op")
         if op == "cell" and len(fds) == 7:
+            _reap_children()  # only the cell's process may be our child while it runs
             state = _random_state()
             pid = os.fork()
             if pid == 0:
@@ -976,19 +977,32 @@ def _session_loop(ch, main, count):
         elif op == "fork" and len(fds) == 1:
             state = _random_state()
             pid = os.fork()
-            if pid == 0:  # a middle child: the new session is orphaned to the supervisor
+            if pid == 0:  # the new session: our child until we end (then the supervisor's)
                 try:
                     ch.close()
-                    if os.fork() == 0:
-                        _restore_random(state)
-                        _forked_session(fds[0], msg, main)
+                    _restore_random(state)
+                    _forked_session(fds[0], msg, main)
                 finally:
-                    _hard_exit(0)
+                    _hard_exit(SETUP_FAILED)
             os.close(fds[0])
-            os.waitpid(pid, 0)
+        elif op == "reap":  # a fork of ours was closed: its process is gone, reap it
+            for fd in fds:
+                os.close(fd)
+            _reap_children()
         else:
             for fd in fds:
                 os.close(fd)
+
+
+def _reap_children():
+    """Reap this session's ended forks (a session's only children between cells)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _random_state():
@@ -1086,7 +1100,8 @@ def _cell_child(fds, msg, main):
                 os.close(fd)
         # Soft limits only: the cell that ends normally is the session, and its next cell may need more.
         limits = {}
-        for which, value in ((resource.RLIMIT_CPU, msg["cpu_s"]), (resource.RLIMIT_FSIZE, msg["fsize_bytes"])):
+        for which, value in ((resource.RLIMIT_CPU, msg["cpu_s"]), (resource.RLIMIT_FSIZE, msg["fsize_bytes"]),
+                             (resource.RLIMIT_NOFILE, msg["nofile"])):
             limits[which] = soft, hard = resource.getrlimit(which)
             resource.setrlimit(which, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
         _fresh_stdio()
@@ -1348,6 +1363,11 @@ class _Family:
             except ProcessLookupError:
                 pass
         self.reap()
+        for _, other in self.sessions.values():  # its parent may be one of them: it reaps it
+            try:
+                other.send(b'{"op":"reap"}')
+            except OSError:
+                pass
         path = _session_dir(sid)
         if os.path.lexists(path):
             _in_child("janitor", lambda: _wipe_tree(path), _config["cleanup_timeout_s"])
@@ -1395,6 +1415,7 @@ def _family_supervisor(sock, msg):
         opts = f"size={msg['workdir_bytes']},nr_inodes={msg['workdir_inodes']},mode=0700,uid={uid},gid={uid}"
         _mount(b"tmpfs", _config["workdir"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode())
         _loopback_up()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (msg["nofile"], msg["nofile"]))  # the zygote's is higher
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)

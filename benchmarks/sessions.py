@@ -1,0 +1,197 @@
+"""Live sessions: what they cost and what they save, in one run.
+
+    python benchmarks/sessions.py trajectory [--cells 16] [--trajectories 4] [--rounds 5] [--json out.json]
+    python benchmarks/sessions.py idle [--sessions 1000] [--json out.json]
+
+trajectory: one `codeenv serve` (a real uvicorn process, embedded pool). A trajectory is `--cells`
+cells of about 10 ms of CPU each, every cell using the state the earlier ones left. It runs two
+ways, taking turns round by round, `--trajectories` at a time:
+
+- session: each cell is POST /v1/sessions/{id}/execute on one live session;
+- replay: each cell is a POST /v1/execute of that cell with every earlier cell in front of it, as
+  rStar2-Agent's tool does it (a fresh interpreter per call, so the state is rebuilt by re-running).
+
+It reports the ratio replay / session per round (median, min, max), and a 2x-long trajectory's time
+over a 1x one, through sessions (linear: 2.0; replay is quadratic).
+
+idle: at the engine (a SlotPool in this process, no HTTP). `--sessions` sessions are created in a
+burst, each then runs a cell that imports sympy and builds a small state, and stays alive. Reported:
+creation time per session (p50, p90) for the light and the math profile, fork time (p50), and memory
+per idle session as (MemAvailable before - after) / sessions, so the kernel's memory (page tables,
+namespaces, cgroups) counts too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from codeenv.bench.services import free_port, start_codeenv
+
+console = Console()
+
+#: Cell i of a trajectory: ~10 ms of CPU that uses and extends the state of the cells before it.
+CELL = "acc{i} = sum(k * k for k in range(60_000)) % 1009 + {prev}\nacc{i}"
+STATE_CELL = ("import sympy\nx = sympy.Symbol('x')\nexpr = sympy.expand((x + 1) ** 6)\n"
+              "state = {'n': 1, 'xs': list(range(200)), 'expr': expr}\nlen(state['xs'])")
+
+
+def trajectory_cells(n: int) -> list[str]:
+    return [CELL.format(i=i, prev=f"acc{i - 1}" if i else 0) for i in range(n)]
+
+
+async def through_session(client: httpx.AsyncClient, cells: list[str]) -> list[str]:
+    created = await client.post("/v1/sessions", json={"profile": "light"})
+    created.raise_for_status()
+    sid = created.json()["session_id"]
+    values = []
+    try:
+        for code in cells:
+            r = await client.post(f"/v1/sessions/{sid}/execute", json={"code": code})
+            body = r.json()
+            assert body["status"] == "ok", body
+            values.append(body["value"])
+    finally:
+        await client.delete(f"/v1/sessions/{sid}")
+    return values
+
+
+async def replayed(client: httpx.AsyncClient, cells: list[str]) -> list[str]:
+    values = []
+    for i in range(len(cells)):
+        r = await client.post("/v1/execute", json={"code": "\n".join(cells[: i + 1]), "display_last": True,
+                                                   "profile": "light"})
+        body = r.json()
+        assert body["status"] == "ok", body
+        values.append(body["value"])
+    return values
+
+
+async def timed(run: Any, client: httpx.AsyncClient, cells: list[str], at_once: int) -> float:
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(run(client, cells) for _ in range(at_once)))
+    assert all(o == outs[0] for o in outs)
+    return time.perf_counter() - t0
+
+
+async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
+    env = {"PATH": "/usr/bin:/bin", **({"CODEENV_SLOTS": str(args.slots)} if args.slots else {})}
+    service = start_codeenv("serve", port=free_port(), env=env).wait_ready(300)
+    try:
+        async with httpx.AsyncClient(base_url=service.url, timeout=120) as client:
+            cells = trajectory_cells(args.cells)
+            assert await through_session(client, cells) == await replayed(client, cells)  # same answers
+            ratios, growth, rows = [], [], []
+            for rnd in range(args.rounds):
+                session_s = await timed(through_session, client, cells, args.trajectories)
+                replay_s = await timed(replayed, client, cells, args.trajectories)
+                double_s = await timed(through_session, client, trajectory_cells(2 * args.cells), args.trajectories)
+                ratios.append(replay_s / session_s)
+                growth.append(double_s / session_s)
+                rows.append({"round": rnd, "session_s": session_s, "replay_s": replay_s, "double_session_s": double_s})
+                console.print(f"round {rnd}: session {session_s:.2f}s, replay {replay_s:.2f}s "
+                              f"({replay_s / session_s:.2f}x); {2 * args.cells} cells {double_s:.2f}s "
+                              f"({double_s / session_s:.2f}x)")
+    finally:
+        service.kill()
+    return {"cells": args.cells, "trajectories_at_once": args.trajectories, "rounds": rows,
+            "replay_over_session": summary(ratios), "double_over_single": summary(growth)}
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+async def idle(args: argparse.Namespace) -> dict[str, Any]:
+    from codeenv import ExecRequest, SandboxSettings, SlotPool
+
+    settings = SandboxSettings(slots=1, sessions_max=args.sessions + 64, session_min_available_mb=256)
+    out: dict[str, Any] = {"sessions": args.sessions}
+    async with SlotPool(settings) as pool:
+        m = pool.sessions
+        assert m is not None
+        for profile in ("light", "math"):  # start each session jail outside the measurement
+            await m.delete((await m.create(profile)).id)
+        for profile in ("light", "math"):
+            times = []
+            made = []
+            for _ in range(min(args.sessions, 200)):
+                t0 = time.perf_counter()
+                made.append(await m.create(profile))
+                times.append(time.perf_counter() - t0)
+            forks = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                made.append(await m.fork(made[0].id))
+                forks.append(time.perf_counter() - t0)
+            for s in made:
+                await m.delete(s.id)
+            out[f"create_{profile}_ms"] = pct(times)
+            out[f"fork_{profile}_ms"] = pct(forks)
+            console.print(f"{profile}: create {out[f'create_{profile}_ms']}, fork {out[f'fork_{profile}_ms']}")
+        await asyncio.sleep(2)
+        before = mem_available()
+        times = []
+        sessions = []
+        for i in range(args.sessions):
+            t0 = time.perf_counter()
+            s = await m.create("math")
+            times.append(time.perf_counter() - t0)
+            r = await pool.run(ExecRequest(code=STATE_CELL, session=s.id, display_last=True))
+            assert r.status == "ok" and r.value == "200", r
+            sessions.append(s)
+            if (i + 1) % 100 == 0:
+                console.print(f"{i + 1} sessions: {(before - mem_available()) / (i + 1) / 2**20:.2f} MiB each")
+        await asyncio.sleep(2)
+        after = mem_available()
+        out["burst_create_math_ms"] = pct(times)
+        out["memory_per_session_mib"] = round((before - after) / args.sessions / 2**20, 3)
+        out["alive"] = len(m.sessions)
+        check = await pool.run(ExecRequest(code="state['n'] += 1\nstate['n'], str(expr)[:10]",
+                                           session=sessions[0].id, display_last=True))
+        out["first_still_alive"] = check.value
+        console.print(out)
+    return out
+
+
+def pct(xs: list[float]) -> dict[str, float]:
+    qs = statistics.quantiles(xs, n=10)
+    return {"p50": round(statistics.median(xs) * 1000, 2), "p90": round(qs[-1] * 1000, 2), "n": len(xs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("trajectory")
+    t.add_argument("--cells", type=int, default=16)
+    t.add_argument("--trajectories", type=int, default=4)
+    t.add_argument("--rounds", type=int, default=5)
+    t.add_argument("--slots", type=int, default=None)
+    t.add_argument("--json", type=Path)
+    i = sub.add_parser("idle")
+    i.add_argument("--sessions", type=int, default=1000)
+    i.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = asyncio.run(trajectory(args) if args.what == "trajectory" else idle(args))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
