@@ -39,13 +39,16 @@ from codeenv.bench.services import free_port, start_codeenv
 console = Console()
 
 #: Cell i of a trajectory: ~10 ms of CPU that uses and extends the state of the cells before it.
-CELL = "acc{i} = sum(k * k for k in range(60_000)) % 1009 + {prev}\nacc{i}"
+CELL = "acc{i} = sum(k * k for k in range(120_000)) % 1009 + {prev}\nacc{i}"
 STATE_CELL = ("import sympy\nx = sympy.Symbol('x')\nexpr = sympy.expand((x + 1) ** 6)\n"
               "state = {'n': 1, 'xs': list(range(200)), 'expr': expr}\nlen(state['xs'])")
 
 
 def trajectory_cells(n: int) -> list[str]:
     return [CELL.format(i=i, prev=f"acc{i - 1}" if i else 0) for i in range(n)]
+
+
+CELL_CPU_S: list[float] = []
 
 
 async def through_session(client: httpx.AsyncClient, cells: list[str]) -> list[str]:
@@ -59,6 +62,7 @@ async def through_session(client: httpx.AsyncClient, cells: list[str]) -> list[s
             body = r.json()
             assert body["status"] == "ok", body
             values.append(body["value"])
+            CELL_CPU_S.append(body["cpu_s"])
     finally:
         await client.delete(f"/v1/sessions/{sid}")
     return values
@@ -102,7 +106,9 @@ async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
                               f"({double_s / session_s:.2f}x)")
     finally:
         service.kill()
+    console.print(f"a cell's CPU time: {statistics.median(CELL_CPU_S) * 1000:.1f} ms (median)")
     return {"cells": args.cells, "trajectories_at_once": args.trajectories, "rounds": rows,
+            "cell_cpu_ms": round(statistics.median(CELL_CPU_S) * 1000, 2),
             "replay_over_session": summary(ratios), "double_over_single": summary(growth)}
 
 

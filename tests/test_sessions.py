@@ -71,6 +71,19 @@ async def test_state_persists_and_values_come_back(pool: SlotPool) -> None:
         await m.delete(s.id)
 
 
+async def test_a_session_lives_through_more_cells_than_the_recursion_limit(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    try:
+        limit = int((await cell(pool, s, "import sys\nn = 0\nsys.getrecursionlimit()")).value or "")
+        for _ in range(limit + 100):
+            result = await cell(pool, s, "n += 1")
+            assert result.status == "ok", result
+        assert (await cell(pool, s, "n")).value == str(limit + 100)
+    finally:
+        await m.delete(s.id)
+
+
 async def test_an_exception_keeps_the_effects_before_it(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")
@@ -260,6 +273,18 @@ async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:
     with pytest.raises(SessionError) as lost:
         m.lookup(s.id)
     assert lost.value.status == 410 and "deleted" in str(lost.value)
+
+
+async def test_deleting_a_session_stops_its_running_cell(pool: SlotPool) -> None:
+    m = manager(pool)
+    s = await m.create("light")
+    running = asyncio.create_task(cell(pool, s, "import time\ntime.sleep(30)", wall_s=60))
+    await asyncio.sleep(0.3)
+    t0 = asyncio.get_running_loop().time()
+    await m.delete(s.id)
+    result = await running
+    assert result.status == "session_lost" and asyncio.get_running_loop().time() - t0 < 5, result
+    await gone(m, s)
 
 
 async def test_an_idle_session_expires(pool: SlotPool) -> None:

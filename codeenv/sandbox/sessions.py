@@ -87,6 +87,18 @@ class Family:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_index: int = 1
     ended: str | None = None
+    _memory_limit: int = -1
+    _pids_max: int = -1
+
+    def limit_memory(self, limit: int) -> None:
+        if limit != self._memory_limit:
+            self.cgroup.set_memory_limit(limit)
+            self._memory_limit = limit
+
+    def limit_pids(self, count: int) -> None:
+        if count != self._pids_max:
+            self.cgroup.set_pids_max(count)
+            self._pids_max = count
 
     @property
     def last_used(self) -> float:
@@ -144,6 +156,7 @@ class SessionJail(ZygoteProcess):
         super().__init__(settings, image, profile, root_uid, cgroup, nsjail, runtime_dir, zygote_dir)
         self.family_uid = family_uid
         self.families = families
+        #: Held for each request to the zygote (create, end) until its reply.
         self.create_lock = asyncio.Lock()
 
     def jail_config(self, ctl_fd: int) -> NsJailConfig:
@@ -220,12 +233,13 @@ class SessionJail(ZygoteProcess):
 
     async def end(self, fid: int) -> None:
         """Have the zygote kill and reap a family's supervisor (the kernel ends the rest of it)."""
-        with contextlib.suppress(ZygoteDied, TimeoutError):
-            self._send({"op": "end", "fid": fid})
-            while True:
-                msg = await self._expect("ended", self.settings.control_timeout_s)
-                if msg.get("fid") == fid:
-                    return
+        async with self.create_lock:  # one request at a time: each waits for its own reply
+            with contextlib.suppress(ZygoteDied, TimeoutError):
+                self._send({"op": "end", "fid": fid})
+                while True:
+                    msg = await self._expect("ended", self.settings.control_timeout_s)
+                    if msg.get("fid") == fid:
+                        return
 
 
 class SessionManager:
@@ -406,7 +420,7 @@ class SessionManager:
                 await asyncio.to_thread(cgroup.remove)
             self._free_uids.append(uid_index)
             raise
-        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, memory_cap)
+        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, memory_cap, _memory_limit=memory_cap)
         self.families[fid] = family
         try:
             host_pid = _pidfd_pid(pidfd)
@@ -447,10 +461,15 @@ class SessionManager:
             self._forget(session, why)
         family.sessions.clear()
         self.families.pop(family.fid, None)
-        family.sock.close()  # its supervisor exits on EOF, and the kernel ends its pid namespace
+        # Shut down, not closed yet: whoever waits on the socket (a cell, a fork) reads its end now,
+        # and the fd stays ours until then. The supervisor reads EOF too; its SIGKILL ends its whole
+        # pid namespace.
+        with contextlib.suppress(OSError):
+            family.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(family.pidfd, signal.SIGKILL)
         await family.jail.end(family.fid)
+        family.sock.close()
         os.close(family.pidfd)
         await asyncio.to_thread(family.cgroup.remove)  # kills what is left, then removes the group
         self._free_uids.append(family.uid_index)
@@ -611,8 +630,8 @@ class SessionManager:
         loop = asyncio.get_running_loop()
         out = Outcome(started=True)
         usage0 = cg.memory_usage()
-        cg.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
-        cg.set_pids_max(cg.pids_current() + limits.processes + FAMILY_PIDS)
+        family.limit_memory(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
+        family.limit_pids(cg.pids_current() + limits.processes + FAMILY_PIDS)
         cg.reset_peak()
         oom0, pids0 = cg.oom_kills(), cg.pids_limit_hits()
         cpu0 = cg.cpu_usage_ns()
@@ -673,7 +692,7 @@ class SessionManager:
             peak = cg.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            cg.set_memory_limit(family.memory_cap)
+            family.limit_memory(family.memory_cap)
         cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if done is None or done.get("lost"):

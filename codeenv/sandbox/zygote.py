@@ -936,11 +936,11 @@ def _enter_session(sid, ch_fd):
         sys.modules["tempfile"].tempdir = None
 
 
-def _session_loop(ch, main, count):
+def _session_loop(ch, main):
     """A session's process: it waits for a cell (or a fork) on its channel (never returns).
 
-    `count` holds the cell counter (for Out[n]-style numbering in tracebacks it is not needed; kept
-    for the worker's account only)."""
+    A cell's process that ends by itself, and a fork, carry on in this same loop (no call nests: a
+    session lives through any number of cells)."""
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(ch, MAX_MSG, 16)
@@ -952,18 +952,20 @@ def _session_loop(ch, main, count):
             msg = json.loads(data)
         except ValueError:
             msg = {}
-        op = msg.get("op")
+        op = msg.get("op") if isinstance(msg, dict) else None
         if op == "cell" and len(fds) == 7:
             _reap_children()  # only the cell's process may be our child while it runs
             state = _random_state()
+            threads = _threads()
             pid = os.fork()
             if pid == 0:
-                ch.close()
                 try:
+                    ch.close()
                     _restore_random(state)
-                    _cell_child(fds, msg, main)
-                finally:
+                    ch = _cell_child(fds, msg, main, fresh_streams=threads > 1)
+                except BaseException:
                     _hard_exit(SETUP_FAILED)
+                continue  # the cell ended by itself: this process is the session now
             for fd in fds:
                 os.close(fd)
             try:
@@ -981,9 +983,10 @@ def _session_loop(ch, main, count):
                 try:
                     ch.close()
                     _restore_random(state)
-                    _forked_session(fds[0], msg, main)
-                finally:
+                    ch = _forked_session(fds[0], msg)
+                except BaseException:
                     _hard_exit(SETUP_FAILED)
+                continue
             os.close(fds[0])
         elif op == "reap":  # a fork of ours was closed: its process is gone, reap it
             for fd in fds:
@@ -992,6 +995,14 @@ def _session_loop(ch, main, count):
         else:
             for fd in fds:
                 os.close(fd)
+
+
+def _threads():
+    """Threads of this process (a fork keeps one; those it drops may hold locks)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 2  # unknown: as if there were others
 
 
 def _reap_children():
@@ -1017,8 +1028,8 @@ def _restore_random(state):
         sys.modules["random"].setstate(state)
 
 
-def _forked_session(ch_fd, msg, main):
-    """A new session made from this one's state: it copies its dir, then waits for cells."""
+def _forked_session(ch_fd, msg):
+    """A new session made from this one's state: it copies its dir; returns its channel."""
     ch = socket.socket(fileno=ch_fd)
     ok = True
     try:
@@ -1031,7 +1042,7 @@ def _forked_session(ch_fd, msg, main):
             pass
     _enter_session(msg["new_sid"], ch_fd)
     _send(ch, {"op": "hello", "copied": ok})
-    _session_loop(ch, main, None)
+    return ch
 
 
 def _copy_tree(src, dst):
@@ -1081,8 +1092,10 @@ def _fresh_stdio():
     sys.stderr = sys.__stderr__ = streams[2]
 
 
-def _cell_child(fds, msg, main):
-    """One cell, in a fork of the session's process. It ends by becoming the session (never returns)."""
+def _cell_child(fds, msg, main, fresh_streams):
+    """One cell, in a fork of the session's process. Once it ends by itself, this process is the
+    session: returns its channel. `fresh_streams`: the session's process had other threads, which
+    may hold the std streams' locks (the fork did not copy them), so the cell gets new streams."""
     import mmap
 
     setup_fd = fds[CallFd.SETUP]
@@ -1104,7 +1117,8 @@ def _cell_child(fds, msg, main):
                              (resource.RLIMIT_NOFILE, msg["nofile"])):
             limits[which] = soft, hard = resource.getrlimit(which)
             resource.setrlimit(which, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
-        _fresh_stdio()
+        if fresh_streams:
+            _fresh_stdio()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import linecache
 
@@ -1148,7 +1162,16 @@ def _cell_child(fds, msg, main):
         _send(ch, {"op": "done", "exit_code": exit_code})
     except OSError:
         _hard_exit(0)
-    _session_loop(ch, main, None)
+    return ch
+
+
+def _alive(pid):
+    """Whether process `pid` (a /proc entry's name) has not exited: a zombie has nothing left to kill."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 class _Family:
@@ -1157,26 +1180,35 @@ class _Family:
     def __init__(self, sock):
         self.sock = sock
         self.sessions = {}
+        self.unsettled = False
 
     def session_pids(self):
         return {pid for pid, _ in self.sessions.values()}
 
-    def kill_others(self, keep):
-        """SIGKILL every process of the family but the supervisor and `keep`; reap what is ours."""
-        for _ in range(100):
+    def settle(self):
+        """After a kept cell's reply: until no process but the sessions' is left."""
+        if self.unsettled:
+            self.unsettled = False
+            self.kill_others(self.session_pids())
+
+    def kill_others(self, keep, once=False):
+        """SIGKILL every process of the family but the supervisor and `keep` (again, until a look at
+        /proc finds none alive: one may have forked meanwhile; `once`: one round); reap what is ours."""
+        for attempt in range(1 if once else 200):
             victims = []
             for name in os.listdir("/proc"):
-                if name.isdigit() and int(name) != 1 and int(name) not in keep:
+                if name.isdigit() and int(name) != 1 and int(name) not in keep and _alive(name):
                     victims.append(int(name))
+            if not victims:
+                return
             for pid in victims:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             self.reap()
-            if not victims:
-                return
-            time.sleep(0.001)
+            if attempt:
+                time.sleep(0.001)
 
     def reap(self):
         while True:
@@ -1312,7 +1344,11 @@ class _Family:
             reply.update(kept=True, exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None)
             ch.close()
             self.sessions[sid] = (cell_pid, ours)
-            self.kill_others(self.session_pids())
+            # SIGKILL to the pre-cell process and what the cell left: none of them runs an instruction
+            # more. Making sure none is left (one may have forked meanwhile) waits until the reply is
+            # sent (`settle`, before the next message).
+            self.kill_others(self.session_pids(), once=True)
+            self.unsettled = True
             return reply
         # Stopped by a limit, or it ended the interpreter: everything of the cell goes, the
         # pre-cell process is the session again.
@@ -1445,7 +1481,7 @@ def _family_supervisor(sock, msg):
                 ch = socket.socket(fileno=os.dup(theirs.fileno()))
                 theirs.close()
                 _send(ch, {"op": "hello"})
-                _session_loop(ch, main, None)
+                _session_loop(ch, main)
             except BaseException as exc:
                 _log("session start failed:", type(exc).__name__, exc)
             finally:
@@ -1474,6 +1510,7 @@ def _family_supervisor(sock, msg):
         op = msg.get("op") if isinstance(msg, dict) else None
         if op == "cell":
             _send(sock, family.cell(msg, fds))
+            family.settle()
             continue
         for fd in fds:
             os.close(fd)

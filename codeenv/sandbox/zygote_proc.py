@@ -532,6 +532,8 @@ class ZygoteProcess:
                 self._raise_oom_scores()
                 self._send({"op": "go", "seq": msg.get("seq")})
                 continue
+            for fd in msg.pop("_fds", ()):  # fds a message carried (a session jail's) go with it
+                os.close(fd)
             logger.debug("zygote %s: unexpected %s while waiting for %s", self.name, msg, op)
 
     def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -839,7 +841,8 @@ async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: 
             got.set_result(data)
 
     deadline = time.monotonic() + wall_s
-    loop.add_reader(sock.fileno(), readable)
+    fd = sock.fileno()
+    loop.add_reader(fd, readable)
     try:
         while True:
             step = min(CPU_POLL_S if cpu0 is not None else wall_s, deadline - time.monotonic())
@@ -853,7 +856,7 @@ async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: 
                 if used is not None and used - cpu0 > cpu_ns:
                     return b"", "cpu"
     finally:
-        loop.remove_reader(sock.fileno())
+        loop.remove_reader(fd)
 
 
 def _message(data: bytes) -> dict[str, Any] | None:
