@@ -7,9 +7,11 @@ trajectory: one `codeenv serve` (a real uvicorn process, embedded pool). A traje
 cells of about 10 ms of CPU each, every cell using the state the earlier ones left. It runs two
 ways, taking turns round by round, `--trajectories` at a time:
 
-- session: each cell is POST /v1/sessions/{id}/execute on one live session;
-- replay: each cell is a POST /v1/execute of that cell with every earlier cell in front of it, as
-  rStar2-Agent's tool does it (a fresh interpreter per call, so the state is rebuilt by re-running).
+- session: each cell is the next cell of one live session (`client.session()`, `s.run(cell)`);
+- replay: each cell is a call of that cell with every earlier cell in front of it (`client.run`),
+  as rStar2-Agent's tool does it (a fresh interpreter per call: the state is rebuilt by re-running).
+
+Both through codeenv.client (micro-batched, as an RL trainer sends them).
 
 It reports the ratio replay / session per round (median, min, max), and a 2x-long trajectory's time
 over a 1x one, through sessions (linear: 2.0; replay is quadratic).
@@ -25,16 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 
+from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.bench.services import free_port, start_codeenv
+from codeenv.client import AsyncClient
 
 console = Console()
 
@@ -51,65 +56,96 @@ def trajectory_cells(n: int) -> list[str]:
 CELL_CPU_S: list[float] = []
 
 
-async def through_session(client: httpx.AsyncClient, cells: list[str]) -> list[str]:
-    created = await client.post("/v1/sessions", json={"profile": "light"})
-    created.raise_for_status()
-    sid = created.json()["session_id"]
+async def through_session(client: AsyncClient, cells: list[str]) -> list[str]:
     values = []
-    try:
+    async with client.session(profile="light") as session:
         for code in cells:
-            r = await client.post(f"/v1/sessions/{sid}/execute", json={"code": code})
-            body = r.json()
-            assert body["status"] == "ok", body
-            values.append(body["value"])
-            CELL_CPU_S.append(body["cpu_s"])
-    finally:
-        await client.delete(f"/v1/sessions/{sid}")
+            result = await session.run(code)
+            assert result.status == "ok", result
+            values.append(result.value or "")
+            CELL_CPU_S.append(result.cpu_s)
     return values
 
 
-async def replayed(client: httpx.AsyncClient, cells: list[str]) -> list[str]:
+async def replayed(client: AsyncClient, cells: list[str]) -> list[str]:
     values = []
     for i in range(len(cells)):
-        r = await client.post("/v1/execute", json={"code": "\n".join(cells[: i + 1]), "display_last": True,
-                                                   "profile": "light"})
-        body = r.json()
-        assert body["status"] == "ok", body
-        values.append(body["value"])
+        result = await client.run("\n".join(cells[: i + 1]), display_last=True, profile="light")
+        assert result.status == "ok", result
+        values.append(result.value or "")
     return values
 
 
-async def timed(run: Any, client: httpx.AsyncClient, cells: list[str], at_once: int) -> float:
+async def timed(run: Any, client: AsyncClient, cells: list[str], at_once: int) -> float:
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(run(client, cells) for _ in range(at_once)))
     assert all(o == outs[0] for o in outs)
     return time.perf_counter() - t0
 
 
-async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
+class EngineClient:
+    """The same two ways at the engine: a SlotPool in this process, no HTTP (--engine)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    @contextlib.asynccontextmanager
+    async def session(self, profile: str) -> AsyncIterator[Any]:
+        session = await self.pool.sessions.create(profile)
+        pool = self.pool
+
+        class Cells:
+            async def run(self, code: str) -> Any:
+                return await pool.run(ExecRequest(code=code, session=session.id, display_last=True))
+
+        try:
+            yield Cells()
+        finally:
+            await self.pool.sessions.delete(session.id)
+
+    async def run(self, code: str, display_last: bool, profile: str) -> Any:
+        return await self.pool.run(ExecRequest(code=code, display_last=display_last, profile=profile))
+
+
+@contextlib.asynccontextmanager
+async def a_client(args: argparse.Namespace) -> AsyncIterator[Any]:
+    if args.engine:
+        async with SlotPool(SandboxSettings(**({"slots": args.slots} if args.slots else {}))) as pool:
+            yield EngineClient(pool)
+        return
     env = {"PATH": "/usr/bin:/bin", **({"CODEENV_SLOTS": str(args.slots)} if args.slots else {})}
     service = start_codeenv("serve", port=free_port(), env=env).wait_ready(300)
     try:
-        async with httpx.AsyncClient(base_url=service.url, timeout=120) as client:
-            cells = trajectory_cells(args.cells)
-            assert await through_session(client, cells) == await replayed(client, cells)  # same answers
-            ratios, growth, rows = [], [], []
-            for rnd in range(args.rounds):
-                session_s = await timed(through_session, client, cells, args.trajectories)
-                replay_s = await timed(replayed, client, cells, args.trajectories)
-                double_s = await timed(through_session, client, trajectory_cells(2 * args.cells), args.trajectories)
-                ratios.append(replay_s / session_s)
-                growth.append(double_s / session_s)
-                rows.append({"round": rnd, "session_s": session_s, "replay_s": replay_s, "double_session_s": double_s})
-                console.print(f"round {rnd}: session {session_s:.2f}s, replay {replay_s:.2f}s "
-                              f"({replay_s / session_s:.2f}x); {2 * args.cells} cells {double_s:.2f}s "
-                              f"({double_s / session_s:.2f}x)")
+        async with AsyncClient(service.url) as client:
+            yield client
     finally:
         service.kill()
-    console.print(f"a cell's CPU time: {statistics.median(CELL_CPU_S) * 1000:.1f} ms (median)")
-    return {"cells": args.cells, "trajectories_at_once": args.trajectories, "rounds": rows,
-            "cell_cpu_ms": round(statistics.median(CELL_CPU_S) * 1000, 2),
-            "replay_over_session": summary(ratios), "double_over_single": summary(growth)}
+
+
+async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
+    async with a_client(args) as client:
+        cells = trajectory_cells(args.cells)
+        assert await through_session(client, cells) == await replayed(client, cells)  # same answers
+        alone = [(await client.run(cells[0], display_last=True, profile="light")).cpu_s for _ in range(20)]
+        console.print(f"a cell alone (one call): {statistics.median(alone) * 1000:.1f} ms of CPU")
+        CELL_CPU_S.clear()
+        ratios, growth, rows = [], [], []
+        for rnd in range(args.rounds):
+            session_s = await timed(through_session, client, cells, args.trajectories)
+            replay_s = await timed(replayed, client, cells, args.trajectories)
+            double_s = await timed(through_session, client, trajectory_cells(2 * args.cells), args.trajectories)
+            ratios.append(replay_s / session_s)
+            growth.append(double_s / session_s)
+            rows.append({"round": rnd, "session_s": session_s, "replay_s": replay_s, "double_session_s": double_s})
+            console.print(f"round {rnd}: session {session_s:.2f}s, replay {replay_s:.2f}s "
+                          f"({replay_s / session_s:.2f}x); {2 * args.cells} cells {double_s:.2f}s "
+                          f"({double_s / session_s:.2f}x)")
+    console.print(f"a cell's CPU time in its session: {statistics.median(CELL_CPU_S) * 1000:.1f} ms (median)")
+    return {"through": "engine" if args.engine else "http", "cells": args.cells,
+        "trajectories_at_once": args.trajectories, "rounds": rows,
+        "cell_alone_cpu_ms": round(statistics.median(alone) * 1000, 2),
+        "cell_in_session_cpu_ms": round(statistics.median(CELL_CPU_S) * 1000, 2),
+        "replay_over_session": summary(ratios), "double_over_single": summary(growth)}
 
 
 def summary(xs: list[float]) -> dict[str, float]:
@@ -125,8 +161,6 @@ def mem_available() -> int:
 
 
 async def idle(args: argparse.Namespace) -> dict[str, Any]:
-    from codeenv import ExecRequest, SandboxSettings, SlotPool
-
     settings = SandboxSettings(slots=1, sessions_max=args.sessions + 64, session_min_available_mb=256)
     out: dict[str, Any] = {"sessions": args.sessions}
     async with SlotPool(settings) as pool:
@@ -189,6 +223,7 @@ def main() -> None:
     t.add_argument("--trajectories", type=int, default=4)
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--slots", type=int, default=None)
+    t.add_argument("--engine", action="store_true", help="at the engine (a pool in this process), not over HTTP")
     t.add_argument("--json", type=Path)
     i = sub.add_parser("idle")
     i.add_argument("--sessions", type=int, default=1000)
