@@ -10,19 +10,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
-from codeenv.client._session import SessionStarter, session_request
+from codeenv.client._session import Recorder, SessionStarter, session_request
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
 from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, SessionInfo, Status
-
-
-class Recorder(Protocol):
-    """Anything that keeps a trajectory's tool calls (e.g. codeenv.rl.ToolLedger)."""
-
-    def record(self, result: ExecResult) -> None: ...
 
 
 @dataclass(eq=False)

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 
 from codeenv.client.errors import RequestRejected, ServerError, SessionLost, TransportError
 from codeenv.models import ExecRequest, ExecResult, SessionInfo
 
-if TYPE_CHECKING:
-    from codeenv.client._async import AsyncClient, Recorder
+
+class Recorder(Protocol):
+    """Anything that keeps a trajectory's tool calls (e.g. codeenv.rl.ToolLedger)."""
+
+    def record(self, result: ExecResult) -> None: ...
+
+
+class _Client(Protocol):
+    """What a session needs of its AsyncClient."""
+
+    async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult: ...
+
+    async def _session_request(self, method: str, path: str,
+                               body: dict[str, Any] | None = None) -> SessionInfo | None: ...
 
 
 class AsyncSession:
@@ -24,7 +36,7 @@ class AsyncSession:
     the first one instead of running twice.
     """
 
-    def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
+    def __init__(self, client: _Client, info: SessionInfo) -> None:
         self._client = client
         self.info = info
         self.id = info.session_id
@@ -64,7 +76,7 @@ class SessionStarter:
     """What `client.session()` returns: awaited, a started AsyncSession; used with `async with`, one
     that is closed at the end of the block."""
 
-    def __init__(self, client: AsyncClient, body: dict[str, Any]) -> None:
+    def __init__(self, client: _Client, body: dict[str, Any]) -> None:
         self._client = client
         self._body = body
         self._session: AsyncSession | None = None
