@@ -11,8 +11,8 @@ Usage::
         text = format_feedback(result)            # what the model sees
 """
 
-from codeenv.client._async import AsyncClient, Recorder
-from codeenv.client._session import AsyncSession
+from codeenv.client._async import AsyncClient
+from codeenv.client._session import AsyncSession, Recorder
 from codeenv.client._sync import Client
 from codeenv.client.errors import (
     ClientClosed,

@@ -7,8 +7,8 @@ import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
-from codeenv.client._async import AsyncClient, Recorder
-from codeenv.client._session import AsyncSession
+from codeenv.client._async import AsyncClient
+from codeenv.client._session import AsyncSession, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
 
