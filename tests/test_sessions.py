@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ import pytest
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.api import create_app
+from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
 from codeenv.errors import SessionError
+from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.sessions import Session, SessionManager
 from codeenv.sandbox.uids import uids_in_use
 from codeenv.settings import GatewaySettings
@@ -518,14 +521,23 @@ async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
 
 
 @pytest.mark.redis
-async def test_with_redis_the_session_endpoints_say_so(client: httpx.AsyncClient) -> None:
-    if "Redis" not in type(client._transport.app.state.queue).__name__:  # type: ignore[attr-defined]
-        pytest.skip("the embedded mode runs sessions")
-    created = await client.post("/v1/sessions", json={})
-    assert created.status_code == 501 and "embedded mode" in created.text
-    batch = await client.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": "x"}]})
-    assert batch.json()["results"][0]["status"] == "rejected"
-    assert "embedded mode" in batch.json()["results"][0]["message"]
+async def test_with_redis_the_session_endpoints_say_so(redis_server: Service) -> None:
+    settings = GatewaySettings(slots=2, redis_url=redis_server.url, redis_prefix=uuid.uuid4().hex)
+    queue = RedisQueue(settings)
+    await queue.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(settings, queue))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            created = await client.post("/v1/sessions", json={})
+            assert created.status_code == 501 and "embedded mode" in created.text
+            assert (await client.get("/v1/sessions")).status_code == 501
+            one = await client.post("/v1/execute", json={"code": "1", "session": "x"})
+            assert one.status_code == 501
+            batch = await client.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": "x"}]})
+            assert batch.json()["results"][0]["status"] == "rejected"
+            assert "embedded mode" in batch.json()["results"][0]["message"]
+    finally:
+        await queue.close()
 
 
 async def test_the_client_runs_cells_micro_batched(pool: SlotPool) -> None:

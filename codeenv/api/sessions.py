@@ -8,6 +8,7 @@ answer 501 until sessions are routed across workers.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,16 +16,19 @@ from fastapi.responses import JSONResponse, Response
 
 from codeenv.api.native import body_schema
 from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, parse, refusal
-from codeenv.errors import ApiError, InvalidRequest, SessionError
+from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
 from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
 from codeenv.sandbox.sessions import SessionManager
+
+logger = logging.getLogger("codeenv.api")
 
 PREFIX = "/v1/sessions"
 ERRORS: dict[int | str, dict[str, Any]] = {404: {"description": "no such session: it never existed here"},
           410: {"description": "the session ended (expired, evicted, deleted, or its worker restarted)"},
           422: {"description": "the request cannot be run as sent"},
           429: {"description": "the worker holds as many sessions as it may: retry after Retry-After seconds"},
-          501: {"description": "this gateway's queue does not run sessions"}}
+          501: {"description": "this gateway's queue does not run sessions"},
+          503: {"description": "a session could not start on this worker"}}
 
 
 def is_json_route(method: str, path: str) -> bool:
@@ -62,6 +66,10 @@ def router(gateway: Gateway) -> APIRouter:
             raise _error(exc) from None
         except InvalidRequest as exc:
             raise ApiError(422, str(exc)) from None
+        except SandboxError as exc:  # e.g. a host whose kernel refuses a family's namespaces
+            logger.error("a session could not start: %s", exc)
+            raise ApiError(503, f"a session could not start on this worker: {exc}",
+                           {"Retry-After": "5"}) from None
         return JSONResponse(SessionInfo(**session.describe()).model_dump(), 201,
                             {"Location": f"{PREFIX}/{session.id}"})
 

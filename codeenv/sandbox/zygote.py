@@ -900,6 +900,18 @@ def _mount(source, target, fstype, flags, data):
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
 
+def _unshare(flags):
+    if hasattr(os, "unshare"):  # Python >= 3.12
+        os.unshare(flags)
+        return
+    import ctypes
+
+    libc = _libc()
+    if libc.unshare(ctypes.c_int(flags)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare: {os.strerror(err)}")
+
+
 def _loopback_up():
     import fcntl
     import struct
@@ -1563,7 +1575,7 @@ def _create_family(ctl, msg, fds):
             os.close(r)
             sock = socket.socket(fileno=fds[0])
             _keep_only({0, 1, 2, w, sock.fileno()})
-            os.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID)
+            _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID)
             sup = os.fork()
             if sup == 0:
                 os.close(w)
