@@ -25,7 +25,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from codeenv.api.service import SANDBOX_FUSION_STATUS, Gateway, merge, parse, refusal, validation_errors
+from codeenv.api.service import (
+    SANDBOX_FUSION_STATUS,
+    Gateway,
+    body_schema,
+    merge,
+    parse,
+    refusal,
+    validation_errors,
+)
 from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status, Text
@@ -59,6 +67,31 @@ class BatchSubmission(BaseModel):
     sub_id: Text | None = None
     type: Literal["batch"] = "batch"
     submissions: list[Submission] = Field(min_length=1)
+
+
+class SubmissionResult(BaseModel):
+    """code-judge's answer for one submission (`stdout` and `stderr` from /run only)."""
+
+    sub_id: str | None
+    success: bool = Field(description="it ran to exit status 0 and its output matched expected_output, if given")
+    run_success: bool = Field(description="it ran to exit status 0")
+    cost: float = Field(description="wall-clock seconds it ran")
+    reason: str = Field(description='"" for a run (good or bad), "worker_timeout", "queue_timeout" or '
+                                    '"internal_error" for the service\'s own failures')
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class BatchSubmissionResult(BaseModel):
+    sub_id: str
+    results: list[SubmissionResult]
+
+
+class QueueStatus(BaseModel):
+    """code-judge's /status."""
+
+    queue: int = Field(description="calls waiting for a slot")
+    num_workers: int
 
 
 def _judge_result(sub: Submission, result: ExecResult, return_chars: int, with_output: bool) -> dict[str, Any]:
@@ -130,19 +163,20 @@ def code_judge_router(gateway: Gateway) -> APIRouter:
         return endpoint
 
     for prefix, with_output in (("/run", True), ("/judge", False)):
-        api.add_api_route(prefix, one(with_output), methods=["POST"],
-                          summary=f"code-judge: {prefix[1:]} one submission")
+        api.add_api_route(prefix, one(with_output), methods=["POST"], response_model=SubmissionResult,
+                          openapi_extra=body_schema("Submission"), summary=f"code-judge: {prefix[1:]} one submission")
         for path in (f"{prefix}/batch", f"{prefix}/long-batch"):
             # The same here: a submission that cannot start within code_judge_queue_wait_s (< 60 s,
             # rStar2-Agent's client timeout) is answered queue_timeout and never runs.
-            api.add_api_route(path, batch(with_output), methods=["POST"],
+            api.add_api_route(path, batch(with_output), methods=["POST"], response_model=BatchSubmissionResult,
+                              openapi_extra=body_schema("BatchSubmission"),
                               summary=f"code-judge: {prefix[1:]} a batch of submissions")
 
     @api.get("/ping")
     async def ping() -> str:
         return "pong"
 
-    @api.get("/status")
+    @api.get("/status", response_model=QueueStatus)
     async def status() -> dict[str, int]:
         stats = gateway.queue.stats()
         return {"queue": int(stats["waiting"]), "num_workers": int(stats["workers"])}
@@ -168,6 +202,25 @@ class RunCodeRequest(BaseModel):
         default_factory=dict, description="path -> base64 content; a null content is not written (as SandboxFusion)")
     fetch_files: list[str] = Field(default_factory=list)
     args: list[str] = Field(default_factory=list, description="extra command-line arguments to pytest")
+
+
+class RunResult(BaseModel):
+    status: Literal["Finished", "TimeLimitExceeded", "Error"]
+    execution_time: float
+    return_code: int | None = Field(description="the exit status, or minus the signal that ended it; null on timeout")
+    stdout: str
+    stderr: str
+
+
+class RunCodeResponse(BaseModel):
+    """SandboxFusion's /run_code answer."""
+
+    status: Literal["Success", "Failed", "SandboxError"]
+    message: str
+    compile_result: None = None
+    run_result: RunResult | None
+    executor_pod_name: str | None
+    files: dict[str, str] = Field(description="fetched files: path -> base64 content")
 
 
 #: Languages that run as a Python program (SandboxFusion has no "python3"; clients send it anyway).
@@ -303,7 +356,8 @@ def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
     api = APIRouter(tags=["SandboxFusion"])
     settings = gateway.settings
 
-    @api.post("/run_code", summary="SandboxFusion: run one program")
+    @api.post("/run_code", summary="SandboxFusion: run one program", response_model=RunCodeResponse,
+              openapi_extra=body_schema("RunCodeRequest"))
     async def run_code(request: Request) -> Response:
         body = parse(request, RunCodeRequest)
         if body.language not in (*PYTHON_LANGUAGES, PYTEST):

@@ -12,8 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from codeenv.admission import judge_call
-from codeenv.api.native import body_schema
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, merge, parse, split_batch
+from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, body_schema, merge, parse, split_batch
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
 

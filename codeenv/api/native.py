@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +14,7 @@ from codeenv.api.service import (
     NO_SESSIONS,
     RETRY_AFTER_S,
     Gateway,
+    body_schema,
     merge,
     parse,
     refusal,
@@ -40,11 +40,6 @@ class BatchResponse(BaseModel):
     """One result per request, in request order."""
 
     results: list[ExecResult]
-
-
-def body_schema(model: str) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
 
 def _json(result: ExecResult, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from codeenv.api.service import Gateway, parse
+from codeenv.api.service import Gateway, body_schema, parse
 from codeenv.errors import ApiError
 from codeenv.models import ExecRequest, ExecResult, Status, Text
 
@@ -52,6 +52,47 @@ class ScriptBatch(BaseModel):
         if len(self.languages) != len(self.scripts):
             raise ValueError(f"{len(self.languages)} languages for {len(self.scripts)} scripts: give one per script")
         return self
+
+
+class E2BResult(BaseModel):
+    text: str | None
+    is_main_result: bool
+
+
+class E2BLogs(BaseModel):
+    stdout: list[str]
+    stderr: list[str]
+
+
+class E2BError(BaseModel):
+    name: str
+    value: str
+    traceback: str
+
+
+class E2BExecution(BaseModel):
+    results: list[E2BResult]
+    logs: E2BLogs
+    error: E2BError | None
+    execution_count: int
+
+
+class E2BAnswer(BaseModel):
+    """One script's answer, as open-r1's E2B router gives it."""
+
+    execution: E2BExecution | None
+    exception_str: str | None
+
+
+class MorphAnswer(BaseModel):
+    """One script's answer, as open-r1's Morph router gives it."""
+
+    text: str | None
+    exception_str: str | None
+
+
+class Health(BaseModel):
+    status: str = "ok"
 
 
 def _limits(batch: ScriptBatch, gateway: Gateway) -> dict[str, float]:
@@ -127,20 +168,22 @@ def morph_answer(result: ExecResult | str, timeout: float) -> dict[str, Any]:
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
 
-    @api.post("/execute_batch", tags=["open-r1"])
+    @api.post("/execute_batch", tags=["open-r1"], response_model=list[E2BAnswer],
+              openapi_extra=body_schema("ScriptBatch"))
     async def execute_batch(request: Request) -> JSONResponse:
         """open-r1's E2B router: run scripts, answer each as an E2B execution."""
         batch, results = await _run(request, gateway)
         return JSONResponse([e2b_answer(r, batch.timeout) for r in results])
 
-    @api.post("/morph/execute_batch", tags=["open-r1"])
+    @api.post("/morph/execute_batch", tags=["open-r1"], response_model=list[MorphAnswer],
+              openapi_extra=body_schema("ScriptBatch"))
     async def morph_execute_batch(request: Request) -> JSONResponse:
         """open-r1's Morph router: run scripts, answer each with its text."""
         batch, results = await _run(request, gateway)
         return JSONResponse([morph_answer(r, batch.timeout) for r in results])
 
-    @api.get("/health", tags=["open-r1"])
-    @api.get("/morph/health", tags=["open-r1"])
+    @api.get("/health", tags=["open-r1"], response_model=Health)
+    @api.get("/morph/health", tags=["open-r1"], response_model=Health)
     async def health() -> dict[str, str]:
         """As the routers answer it."""
         return {"status": "ok"}

@@ -38,6 +38,13 @@ NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool
                "({queue}) does not route them to a worker yet")
 
 
+def body_schema(model: str) -> dict[str, Any]:
+    """The OpenAPI request body of a route whose JSON the Guard parses (`model`'s schema is added to
+    the document's components by create_app)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
 def sessions_supported(queue: object) -> bool:
     """Whether the queue's pool runs sessions (embedded mode)."""
     return getattr(getattr(queue, "pool", None), "sessions", False) is not False

@@ -14,8 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from codeenv.api.native import body_schema
-from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, parse, refusal
+from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, body_schema, parse, refusal
 from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
 from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
 from codeenv.sandbox.sessions import SessionManager
