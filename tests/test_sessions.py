@@ -121,6 +121,8 @@ n = 0
     ("n = 99\nnext(it)\na[:] = 0\nimport time\ntime.sleep(30)", {"wall_s": 1}, "timeout"),
     ("n = 99\nnext(it)\na[:] = 0\nhog = bytearray(400 << 20)\nhog[::4096] = b'x' * len(hog[::4096])",
      {"memory_mb": 128, "cpu_s": 20, "wall_s": 20}, "memory"),
+    ("n = 99\nnext(it)\na[:] = 0\nhog = bytearray(64 << 20)\nhog[::4096] = b'x' * len(hog[::4096])",
+     {"memory_mb": 1}, "memory"),  # a limit below what the cell's own fork needs
     ("n = 99\nnext(it)\na[:] = 0\nwhile True:\n    print('x' * 10000)", {"output_bytes": 10000}, "output_limit"),
     ("n = 99\nnext(it)\na[:] = 0\nimport os\nos._exit(7)", {}, "error"),
 ])

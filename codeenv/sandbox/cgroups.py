@@ -295,6 +295,8 @@ class JailCgroup(Protocol):
     def pids_limit_hits(self) -> int: ...
     def procs(self) -> list[int]: ...
     def remove(self) -> None: ...
+    def delegate(self) -> None:
+        """Let groups below this one use its controllers (v2; nothing to do on v1)."""
 
 
 def _kill_procs(group: JailCgroup, timeout_s: float = 5.0) -> bool:
@@ -419,6 +421,9 @@ class V1Cgroup:
                 pass
         return sorted(pids)
 
+    def delegate(self) -> None:
+        pass
+
     def remove(self) -> None:
         _kill_procs(self)
         self._files.close()
@@ -505,6 +510,11 @@ class V2Cgroup:
             return sorted(int(p) for p in (self.path / "cgroup.procs").read_text().split())
         except FileNotFoundError:
             return []
+
+    def delegate(self) -> None:
+        available = (self.path / "cgroup.controllers").read_text().split()
+        wanted = [c for c in (*REQUIRED_CONTROLLERS, *OPTIONAL_CONTROLLERS) if c in available]
+        (self.path / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
 
     def remove(self) -> None:
         self.kill_all()

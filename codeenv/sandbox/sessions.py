@@ -34,7 +34,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,12 @@ FAMILY_PIDS = 4
 
 @dataclass
 class Family:
-    """One family on the worker's side: its supervisor's socket and pidfd, cgroup and uid."""
+    """One family on the worker's side: its supervisor's socket and pidfd, its uid, and its cgroups.
+
+    `cgroup` holds the family's caps (memory, pids, CPU). Below it, `main` holds its processes
+    between cells, and `cell` a running cell's: the cell's own limits are `cell`'s, so a cell that
+    runs out of memory or processes meets them alone, never the supervisor or the pre-cell process
+    (whose memory, copied on write, the cell's own would otherwise compete with)."""
 
     fid: int
     uid_index: int
@@ -82,23 +87,23 @@ class Family:
     sock: socket.socket
     pidfd: int
     cgroup: JailCgroup
+    main: JailCgroup
+    cell: JailCgroup
     memory_cap: int
     sessions: dict[int, Session] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_index: int = 1
     ended: str | None = None
-    _memory_limit: int = -1
-    _pids_max: int = -1
 
-    def limit_memory(self, limit: int) -> None:
-        if limit != self._memory_limit:
-            self.cgroup.set_memory_limit(limit)
-            self._memory_limit = limit
+    def move(self, pids: Iterable[int], to: JailCgroup) -> None:
+        for pid in pids:
+            for procs in to.procs_files():
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    procs.write_text(str(pid))
 
-    def limit_pids(self, count: int) -> None:
-        if count != self._pids_max:
-            self.cgroup.set_pids_max(count)
-            self._pids_max = count
+    def remove_cgroups(self) -> None:
+        for group in (self.cell, self.main, self.cgroup):  # children first
+            group.remove()
 
     @property
     def last_used(self) -> float:
@@ -129,6 +134,15 @@ class Session:
                 "idle_s": round(0.0 if self.busy else now - self.last_used, 3), "cells": self.cells,
                 "family_memory_bytes": memory, "family_sessions": len(self.family.sessions),
                 "idle_ttl_s": self.idle_ttl_s}
+
+
+def _oom_score(pid: int, score: bytes) -> None:
+    with contextlib.suppress(OSError):  # gone already
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, score)
+        finally:
+            os.close(fd)
 
 
 def _pidfd_pid(pidfd: int) -> int:
@@ -406,27 +420,31 @@ class SessionManager:
                                "(CODEENV_SESSIONS_MAX); end some, or retry later", 429, "overloaded")
         uid_index = self._free_uids.popleft()
         fid = next(self._fids)
-        cgroup: JailCgroup | None = None
+        groups: list[JailCgroup] = []
         try:
             jail = await self._jail(profile)
-            cgroup = self.tree.group(f"family{fid}")
+            groups.append(cgroup := self.tree.group(f"family{fid}"))
             memory_cap = s.session_memory_mb << 20
             cgroup.set_memory_limit(memory_cap)
             cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
             cgroup.set_cpu_limit(s.cpus_per_call)
+            cgroup.delegate()
+            groups += [self.tree.group(f"family{fid}/main"), self.tree.group(f"family{fid}/cell")]
             sock, pidfd = await jail.create(fid, uid_index)
         except BaseException:
-            if cgroup is not None:
-                await asyncio.to_thread(cgroup.remove)
+            for group in reversed(groups):
+                await asyncio.to_thread(group.remove)
             self._free_uids.append(uid_index)
             raise
-        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, memory_cap, _memory_limit=memory_cap)
+        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, groups[1], groups[2], memory_cap)
         self.families[fid] = family
         try:
             host_pid = _pidfd_pid(pidfd)
-            for procs in cgroup.procs_files():
-                procs.write_text(str(host_pid))
+            family.move([host_pid], family.main)
             await self._ask(family, {"op": "go"}, "ready", s.control_timeout_s + s.zygote_start_timeout_s / 10)
+            # After its first session's fork (which would inherit it): the OOM killer never takes
+            # the supervisor, whose death would end every session of the family.
+            _oom_score(host_pid, b"-1000")
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
             if isinstance(exc, Exception) and not isinstance(exc, SessionError):
@@ -471,7 +489,7 @@ class SessionManager:
         await family.jail.end(family.fid)
         family.sock.close()
         os.close(family.pidfd)
-        await asyncio.to_thread(family.cgroup.remove)  # kills what is left, then removes the group
+        await asyncio.to_thread(family.remove_cgroups)  # kills what is left, then removes the groups
         self._free_uids.append(family.uid_index)
 
     def _forget(self, session: Session, why: str) -> None:
@@ -626,15 +644,19 @@ class SessionManager:
 
     async def _cell(self, session: Session, code: bytes, stdin: bytes, limits: LimitValues) -> ExecResult:
         family = session.family
-        cg = family.cgroup
+        cg, cell = family.cgroup, family.cell
         loop = asyncio.get_running_loop()
         out = Outcome(started=True)
-        usage0 = cg.memory_usage()
-        family.limit_memory(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
-        family.limit_pids(cg.pids_current() + limits.processes + FAMILY_PIDS)
-        cg.reset_peak()
-        oom0, pids0 = cg.oom_kills(), cg.pids_limit_hits()
+        # The cell's process is forked in `main` (the fork's own pages are the family's) and moved to
+        # `cell` once it exists (cell_started, below); `cell` is empty now. Its charges from earlier
+        # cells stay (pages are not re-charged when a process moves): the limit counts from them.
+        usage0 = cell.memory_usage()
+        cell.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
+        cell.set_pids_max(limits.processes)
+        cell.reset_peak()
+        oom0, pids0, family_oom0 = cell.oom_kills(), cell.pids_limit_hits(), cg.oom_kills()
         cpu0 = cg.cpu_usage_ns()
+        before = set(family.main.procs())  # the family's processes before the cell's
         stopping = False
 
         def stop() -> None:
@@ -677,6 +699,15 @@ class SessionManager:
                     break
                 if got.get("op") == "cell_done":
                     done = got
+                elif got.get("op") == "cell_over":  # rolled back: the pre-cell process may resume
+                    with contextlib.suppress(OSError):
+                        family.sock.send(b'{"op":"resume"}')
+                elif got.get("op") == "cell_started":
+                    with contextlib.suppress(OSError, ValueError):
+                        started = set(family.main.procs()) - before
+                        family.move(started, cell)
+                        for pid in started:  # over the family's cap too, the cell's go first
+                            _oom_score(pid, b"1000")
             out.wall_s = time.monotonic() - t0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
@@ -687,12 +718,12 @@ class SessionManager:
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
         with contextlib.suppress(OSError, ValueError):
-            out.oom_killed = cg.oom_kills() > oom0
-            out.pids_limit_hit = cg.pids_limit_hits() > pids0
-            peak = cg.memory_peak()
+            out.oom_killed = cell.oom_kills() > oom0 or cg.oom_kills() > family_oom0
+            out.pids_limit_hit = cell.pids_limit_hits() > pids0
+            peak = cell.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            family.limit_memory(family.memory_cap)
+            family.move(cell.procs(), family.main)  # a kept cell's process is the session now
         cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if done is None or done.get("lost"):

@@ -1298,6 +1298,10 @@ class _Family:
             os.kill(pid, signal.SIGSTOP)  # the pre-cell process, threads and all, waits
         except ProcessLookupError:
             pass
+        try:  # the worker makes the cell's processes the first the OOM killer takes
+            _send(self.sock, {"op": "cell_started", "seq": seq})
+        except OSError:
+            pass
         try:
             cell_fd = os.pidfd_open(cell_pid)
         except OSError:
@@ -1366,6 +1370,13 @@ class _Family:
         # pre-cell process is the session again.
         ours.close()
         self.kill_others(self.session_pids())
+        # The worker lifts the cell's memory limit before the pre-cell process runs again.
+        try:
+            _send(self.sock, {"op": "cell_over", "seq": seq})
+            if select.select([self.sock], [], [], SESSION_REPLY_S)[0]:
+                self.sock.recv(MAX_MSG)  # "resume" (or anything: a late kill, whose cell is over)
+        except OSError:
+            pass
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:

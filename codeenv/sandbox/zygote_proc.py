@@ -829,19 +829,21 @@ async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: 
     has used `cpu_ns` of CPU time since it read `cpu0` (read every CPU_POLL_S), None if it closed."""
     loop = asyncio.get_running_loop()
     got: asyncio.Future[bytes] = loop.create_future()
+    fd = sock.fileno()
 
     def readable() -> None:
+        if got.done():  # one message per call: a second one waits in the socket for the next call
+            return
         try:
             data = sock.recv(MAX_MSG)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        if not got.done():
-            got.set_result(data)
+        loop.remove_reader(fd)
+        got.set_result(data)
 
     deadline = time.monotonic() + wall_s
-    fd = sock.fileno()
     loop.add_reader(fd, readable)
     try:
         while True:
