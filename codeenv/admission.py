@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from codeenv.errors import InvalidRequest, LimitExceedsCap
 from codeenv.models import ExecRequest, JudgeRequest, Limits, LimitValues
 
@@ -104,7 +106,10 @@ def check_path(path: str) -> None:
 
 def judge_call(request: JudgeRequest, settings: SandboxSettings) -> ExecRequest:
     """The call that judges `request`; raise InvalidRequest saying what to fix."""
-    call = request.to_call()
+    try:
+        call = request.to_call()
+    except ValidationError as exc:
+        raise InvalidRequest("; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
     judge_limits(call, settings)
     return call
 

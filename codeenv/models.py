@@ -6,10 +6,12 @@ It knows nothing of the server's settings: checking a request against them is ad
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 
 class Status(StrEnum):
@@ -46,13 +48,28 @@ class LimitName(StrEnum):
 
 # Each limit is declared once, constraint and meaning, and used both as a full set (`LimitValues`:
 # the server's caps and defaults, and what a call runs with) and as a request's choices (`Limits`).
+def _integral(value: Any) -> Any:
+    """A JSON number with no fraction (1024.0) is the integer it names, as JSON Schema's "integer"
+    says; anything else is left for strict validation (a bool or a string is not a number)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field of a request: strict, but 1024.0 is 1024.
+Integer = Annotated[int, BeforeValidator(_integral)]
 WallS = Annotated[float, Field(gt=0, allow_inf_nan=False, description="wall-clock seconds")]
 CpuS = Annotated[float, Field(gt=0, allow_inf_nan=False, description="CPU seconds, all processes of the call")]
-MemoryMb = Annotated[int, Field(gt=0, description="memory of all processes of the call, MiB")]
-OutputBytes = Annotated[int, Field(gt=0, description="bytes kept per stream (stdout, stderr)")]
-Processes = Annotated[int, Field(gt=0, description="processes and threads the call may have at once")]
-OpenFiles = Annotated[int, Field(ge=16, description="open files per process")]
-FileSizeMb = Annotated[int, Field(gt=0, description="largest file the call may write, MiB")]
+MemoryMb = Annotated[int, Field(gt=0, description="memory of all processes of the call, MiB"),
+    BeforeValidator(_integral)]
+OutputBytes = Annotated[int, Field(gt=0, description="bytes kept per stream (stdout, stderr)"),
+    BeforeValidator(_integral)]
+Processes = Annotated[int, Field(gt=0, description="processes and threads the call may have at once"),
+    BeforeValidator(_integral)]
+OpenFiles = Annotated[int, Field(ge=16, description="open files per process"),
+    BeforeValidator(_integral)]
+FileSizeMb = Annotated[int, Field(gt=0, description="largest file the call may write, MiB"),
+    BeforeValidator(_integral)]
 
 
 class LimitValues(BaseModel):
@@ -70,7 +87,9 @@ class LimitValues(BaseModel):
 class Limits(BaseModel):
     """Per-call limits a request may ask for; each may only lower the server's cap."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"wall_s": 5, "memory_mb": 512},
+    ]})
 
     wall_s: WallS | None = None
     cpu_s: CpuS | None = None
@@ -96,7 +115,16 @@ Text = Annotated[str, AfterValidator(_valid_text)]
 class ExecRequest(BaseModel):
     """One program to run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "examples": [{"code": "import sympy\nprint(sympy.factorint(2**32 + 1))", "limits": {"wall_s": 5}},
+                     {"code": "n = int(input())\nn * 2", "stdin": "21", "display_last": True}],
+        "allOf": [  # what _session_cell checks
+        {"if": {"required": ["cell_id"], "properties": {"cell_id": {"type": "string"}}},
+         "then": {"required": ["session"], "properties": {"session": {"type": "string"}}}},
+        {"if": {"required": ["session"], "properties": {"session": {"type": "string"}}},
+         "then": {"properties": {"files": {"maxProperties": 0}, "fetch_files": {"maxItems": 0},
+                                 "judge": {"type": "null"}}}},
+    ]})
 
     code: Text
     stdin: Text = ""
@@ -117,7 +145,8 @@ class ExecRequest(BaseModel):
     )
     display_last: bool = Field(False, description="report the repr of the last top-level expression as "
                                                   "`value` (Jupyter's Out[n])")
-    judge: JudgeSpec | None = Field(None, description="set by /v1/judge: run the code against these tests")
+    # Set by /v1/judge (the gateway) for the worker; not part of the public request (/v1/execute refuses it).
+    judge: SkipJsonSchema[JudgeSpec | None] = None
     session: Text | None = Field(None, max_length=200, description="run as the next cell of this live session "
                                                                   "(POST /v1/sessions); its value is reported")
     cell_id: Text | None = Field(None, max_length=128, description="with session: a retried cell with the same "
@@ -136,7 +165,9 @@ class ExecRequest(BaseModel):
 class SessionCreate(BaseModel):
     """A new live session (POST /v1/sessions)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"profile": "math", "limits": {"wall_s": 10}, "idle_ttl_s": 600},
+    ]})
 
     profile: Text | None = Field(None, description="zygote profile its interpreter forks from (default: the "
                                                    "server's CODEENV_SESSION_PROFILE, math)")
@@ -149,7 +180,9 @@ class SessionCreate(BaseModel):
 class SessionCell(BaseModel):
     """The next cell of a session (POST /v1/sessions/{id}/execute)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"code": "import sympy\nx = sympy.Symbol('x')\nsympy.expand((x + 1) ** 3)", "cell_id": "t1-c3"},
+    ]})
 
     code: Text
     stdin: Text = ""
@@ -277,6 +310,8 @@ class JudgeStatus(StrEnum):
     rejected = "rejected"
 
 
+#: A function-call test's function name (or method of class Solution): an ASCII identifier.
+FN_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: Languages the judge runs.
 JUDGE_LANGUAGES = ("python",)
 
@@ -284,7 +319,7 @@ JUDGE_LANGUAGES = ("python",)
 class JudgeTest(BaseModel):
     """One test: `stdin` and `expected_stdout`, or (with the request's `fn_name`) `args` and `expected`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     stdin: Text | None = Field(None, description="stdin tests: the program's input")
     expected_stdout: Text | None = Field(None, description="stdin tests: the output that passes")
@@ -297,11 +332,11 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
     `as_sent` by a caller counts the fields it gave; after a trip through a queue, those not null."""
     if not tests:
         raise ValueError("tests is empty: give at least one test")
-    if fn_name is not None and not fn_name.isidentifier():
-        raise ValueError(f"fn_name {fn_name!r} is not a Python identifier")
+    if fn_name is not None and not re.fullmatch(FN_NAME_PATTERN, fn_name):
+        raise ValueError(f"fn_name {fn_name!r} is not an (ASCII) identifier")
     for i, test in enumerate(tests):
         given = test.model_fields_set if as_sent else {k for k, v in test if v is not None}
-        if fn_name is None and (given & {"args", "expected"} or "expected_stdout" not in given):
+        if fn_name is None and (given & {"args", "expected"} or test.expected_stdout is None):
             raise ValueError(f"tests[{i}]: stdin tests have stdin and expected_stdout (args and expected are "
                              "for function-call tests, with fn_name)")
         if fn_name is not None and (given & {"stdin", "expected_stdout"} or (as_sent and "expected" not in given)):
@@ -313,11 +348,11 @@ class JudgeSpec(BaseModel):
     """What makes a call a judged one: the tests and how to compare. Carried inside an ExecRequest
     (`judge`) from the gateway to the worker; expected answers stay with the worker, never in the jail."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     tests: list[JudgeTest]
     fn_name: Text | None = Field(None, max_length=256)
-    compare: Compare = Compare.lines
+    compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
     stop_on_failure: bool = False
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -331,14 +366,20 @@ class JudgeSpec(BaseModel):
 class JudgeRequest(BaseModel):
     """A submission and a problem's tests: POST /v1/judge."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"code": "print(int(input()) * 2)", "tests": [{"stdin": "21", "expected_stdout": "42"},
+                                                      {"stdin": "0", "expected_stdout": "0"}]},
+        {"code": "def add(a, b):\n    return a + b", "fn_name": "add",
+         "tests": [{"args": [1, 2], "expected": 3}]},
+    ]})
 
     code: Text
-    language: Text = Field("python", description="only python so far")
-    tests: list[JudgeTest] = Field(description="stdin tests, or function-call tests with fn_name")
+    language: Text = Field("python", description="only python so far (in any case)",
+                           json_schema_extra={"pattern": "^[Pp][Yy][Tt][Hh][Oo][Nn]$"})
+    tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
     fn_name: Text | None = Field(None, max_length=256,
                                  description="function-call tests: the function, or method of class Solution")
-    compare: Compare = Compare.lines
+    compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False, description="relative tolerance of compare=float")
     stop_on_failure: bool = Field(False, description="skip every test after the first failure (as a sequential run)")
     limits: Limits = Field(default_factory=Limits, description="per test; wall_s defaults to 3 x cpu_s + 1")
@@ -346,19 +387,18 @@ class JudgeRequest(BaseModel):
     id: Text | None = Field(None, max_length=128, description="the caller's call id")
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="must start within this many seconds, or it is answered overloaded")
-    checker: Any = Field(None, description="not supported yet: a special checker")
-    interactive: bool = Field(False, description="not supported yet: an interactive problem")
+    checker: None = Field(None, description="not supported yet: a special checker")
+    interactive: bool = Field(False, description="not supported yet: an interactive problem",
+                              json_schema_extra={"const": False})
 
     @model_validator(mode="after")
     def _supported(self) -> JudgeRequest:
+        if self.interactive:
+            raise ValueError("interactive problems are not supported yet")
         _check_tests(self.tests, self.fn_name, as_sent=True)
         if self.language.lower() not in JUDGE_LANGUAGES:
             raise ValueError(f"language {self.language!r} is not supported; the judge runs "
                              f"{', '.join(JUDGE_LANGUAGES)}")
-        if self.checker is not None:
-            raise ValueError("special checkers are not supported yet: give expected outputs and a compare mode")
-        if self.interactive:
-            raise ValueError("interactive problems are not supported yet")
         return self
 
     def to_call(self) -> ExecRequest:

@@ -534,7 +534,8 @@ async def test_with_redis_the_session_endpoints_say_so(redis_server: Service) ->
             assert created.status_code == 501 and "embedded mode" in created.text
             assert (await client.get("/v1/sessions")).status_code == 501
             one = await client.post("/v1/execute", json={"code": "1", "session": "x"})
-            assert one.status_code == 501
+            assert one.status_code == 422 and "embedded mode" in one.text
+            assert not [p for p in (await client.get("/openapi.json")).json()["paths"] if "sessions" in p]
             batch = await client.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": "x"}]})
             assert batch.json()["results"][0]["status"] == "rejected"
             assert "embedded mode" in batch.json()["results"][0]["message"]

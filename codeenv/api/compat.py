@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from codeenv.admission import check_path
 from codeenv.api.service import (
     SANDBOX_FUSION_STATUS,
     Gateway,
@@ -36,7 +37,7 @@ from codeenv.api.service import (
 )
 from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Status, Text
+from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Status, Text
 from codeenv.settings import GatewaySettings
 
 #: The routes that take a JSON body (Guard reads and parses it).
@@ -51,7 +52,9 @@ SANDBOX_FUSION_JSON_PATHS = frozenset({"/run_code"})
 class Submission(BaseModel):
     """One program, as code-judge takes it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"type": "python", "solution": "print(int(input()) * 2)", "input": "21", "expected_output": "42"},
+    ]})
 
     sub_id: Text | None = None
     type: Literal["python", "cpp", "math"]
@@ -62,7 +65,9 @@ class Submission(BaseModel):
 
 
 class BatchSubmission(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"type": "batch", "submissions": [{"type": "python", "solution": "print(1 + 1)", "expected_output": "2"}]},
+    ]})
 
     sub_id: Text | None = None
     type: Literal["batch"] = "batch"
@@ -122,8 +127,8 @@ def _judge_request(sub: Submission, settings: GatewaySettings) -> ExecRequest | 
     wall = settings.code_judge_wall_s or settings.defaults.wall_s
     try:
         return ExecRequest(code=sub.solution, stdin=sub.input or "", deadline_s=settings.code_judge_queue_wait_s,
-                           limits={"wall_s": min(wall, settings.caps.wall_s),
-                                   "output_bytes": settings.code_judge_output_bytes})
+                           limits=Limits(wall_s=min(wall, settings.caps.wall_s),
+                                         output_bytes=settings.code_judge_output_bytes))
     except ValidationError as exc:
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in validation_errors(exc))
 
@@ -190,14 +195,16 @@ def code_judge_router(gateway: Gateway) -> APIRouter:
 class RunCodeRequest(BaseModel):
     """SandboxFusion's /run_code request (unknown fields are ignored, as SandboxFusion ignores them)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"code": "print(sum(range(10)))", "language": "python", "run_timeout": 5},
+    ]})
 
     code: str
     language: str = "python"
     stdin: str | None = None
     run_timeout: float = 10
     compile_timeout: float = 10
-    memory_limit_MB: int = -1
+    memory_limit_MB: Integer = -1
     files: dict[str, str | None] = Field(
         default_factory=dict, description="path -> base64 content; a null content is not written (as SandboxFusion)")
     fetch_files: list[str] = Field(default_factory=list)
@@ -280,12 +287,12 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
         params = {"file": name, "args": body.args, "tally": pytest_run.tally, "token": pytest_run.token}
         code = f"{_pytest_driver()}\nrun({json.dumps(params)!r})\n"
     elif body.args:
-        raise InvalidRequest("args are passed to pytest only (language 'pytest'); SandboxFusion ignores them "
-                             f"for {body.language!r}: drop them")
+        notes.append(f"args ignored: they are passed to pytest only (as SandboxFusion ignores them for "
+                     f"{body.language!r})")
     request = ExecRequest(
         code=code, stdin=body.stdin or "",
-        limits={"wall_s": wall, "memory_mb": memory,
-                "output_bytes": min(settings.sandbox_fusion_output_bytes, caps.output_bytes)},
+        limits=Limits(wall_s=wall, memory_mb=memory,
+                      output_bytes=min(settings.sandbox_fusion_output_bytes, caps.output_bytes)),
         files=files, fetch_files=fetch_files)
     return request, notes, pytest_run
 
@@ -357,9 +364,15 @@ def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
     settings = gateway.settings
 
     @api.post("/run_code", summary="SandboxFusion: run one program", response_model=RunCodeResponse,
-              openapi_extra=body_schema("RunCodeRequest"))
+              openapi_extra=body_schema("RunCodeRequest"),
+              responses={504: {"description": "overloaded (not run): SandboxFusion's clients retry this"}})
     async def run_code(request: Request) -> Response:
         body = parse(request, RunCodeRequest)
+        try:  # what the document says of every request, whatever its language
+            for path in [*body.files, *body.fetch_files]:
+                check_path(path)
+        except InvalidRequest as exc:
+            raise ApiError(422, str(exc)) from None
         if body.language not in (*PYTHON_LANGUAGES, PYTEST):
             return JSONResponse({"status": "SandboxError", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "

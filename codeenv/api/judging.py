@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from codeenv.admission import judge_call
-from codeenv.api.service import NATIVE_STATUS, RETRY_AFTER_S, Gateway, body_schema, merge, parse, split_batch
+from codeenv.api.service import (
+    NATIVE_STATUS,
+    RETRY_AFTER_S,
+    Gateway,
+    body_schema,
+    conflict_status,
+    merge,
+    parse,
+    split_batch,
+)
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
 
@@ -22,6 +31,10 @@ JSON_PATHS = frozenset({"/v1/judge", "/v1/judge/batch", "/v1/judge/stream"})
 
 class JudgeBatchRequest(BaseModel):
     """Submissions to judge; each item has the shape of JudgeRequest and is checked on its own."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"requests": [{"code": "print(input())", "tests": [{"stdin": "x", "expected_stdout": "x"}]}]},
+    ]})
 
     requests: list[JudgeRequest]
 
@@ -48,14 +61,16 @@ def router(gateway: Gateway) -> APIRouter:
     settings = gateway.settings
 
     @api.post("/v1/judge", response_model=JudgeResult, openapi_extra=body_schema("JudgeRequest"),
-              responses={422: {"description": "the request cannot be judged as sent"},
-                         429: {"description": "overloaded: retry after Retry-After seconds"}})
+              responses={409: {"description": "its id names another call: use a new id"},
+                         422: {"description": "the request cannot be judged as sent"},
+                         429: {"model": JudgeResult, "description": "overloaded (not run): retry after Retry-After "
+                                                                    "seconds"}})
     async def judge(request: Request) -> Response:
         """Run a submission against every test of a problem; one verdict per test."""
         call = _admit(parse(request, JudgeRequest), gateway)
         [result] = await gateway.answer(request, [call])
         if result.status == Status.rejected:
-            raise ApiError(422, result.message)
+            raise ApiError(conflict_status(result), result.message)
         code = NATIVE_STATUS.get(result.status, 200)
         headers = {"Retry-After": RETRY_AFTER_S} if code != 200 else None
         return Response(_encode(result), code, headers, media_type="application/json")
@@ -64,7 +79,8 @@ def router(gateway: Gateway) -> APIRouter:
         return split_batch(request, settings.max_batch,
                            lambda item: judge_call(JudgeRequest.model_validate(item), settings), "submissions")
 
-    @api.post("/v1/judge/batch", response_model=JudgeBatchResponse, openapi_extra=body_schema("JudgeBatchRequest"))
+    @api.post("/v1/judge/batch", response_model=JudgeBatchResponse, openapi_extra=body_schema("JudgeBatchRequest"),
+              responses={429: {"model": JudgeBatchResponse, "description": "every submission overloaded (none run)"}})
     async def judge_batch(request: Request) -> Response:
         """Judge a batch of submissions; results in request order. An invalid item is `rejected`."""
         valid, refused = parse_batch(request)

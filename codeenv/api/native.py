@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from codeenv.api.service import (
     NATIVE_STATUS,
@@ -15,6 +15,7 @@ from codeenv.api.service import (
     RETRY_AFTER_S,
     Gateway,
     body_schema,
+    conflict_status,
     merge,
     parse,
     refusal,
@@ -32,6 +33,8 @@ JSON_PATHS = frozenset({"/v1/execute", "/v1/execute/batch", "/v1/execute/stream"
 
 class BatchRequest(BaseModel):
     """A batch of calls; each item has the shape of ExecRequest and is checked on its own."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"requests": [{"code": "print(1)"}, {"code": "1 / 0"}]}]})
 
     requests: list[ExecRequest]
 
@@ -52,16 +55,21 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/v1/execute", response_model=ExecResult, openapi_extra=body_schema("ExecRequest"),
               responses={422: {"description": "the request cannot be run as sent"},
-                         429: {"description": "overloaded: retry after Retry-After seconds"}})
+                         429: {"model": ExecResult, "description": "overloaded (not run): retry after Retry-After "
+                                                                   "seconds"},
+                         404: {"description": "a session's cell, and no such session"},
+                         409: {"description": "its id names another call (a different program): use a new id"}})
     async def execute(request: Request) -> Response:
         """Run one program and return its structured result."""
         one = parse(request, ExecRequest)
+        if one.judge is not None:
+            raise ApiError(422, "judge is set by /v1/judge: send a submission with its tests there")
         if one.session is not None and not sessions:
-            raise ApiError(501, NO_SESSIONS.format(queue=type(calls).__name__))
+            raise ApiError(422, NO_SESSIONS.format(queue=type(calls).__name__))
         [result] = await gateway.answer(request, [one])
         error = refusal(result, NATIVE_STATUS)
         if error is not None and result.status == Status.rejected:
-            raise error
+            raise ApiError(conflict_status(result), result.message)
         if error is not None:  # overloaded: the result itself, with the status the client retries
             return _json(result, error.status_code, error.headers)
         return _json(result)
@@ -70,6 +78,8 @@ def router(gateway: Gateway) -> APIRouter:
 
     def call(item: object) -> ExecRequest:
         request = ExecRequest.model_validate(item)
+        if request.judge is not None:
+            raise InvalidRequest("judge is set by /v1/judge: send a submission with its tests there")
         if request.session is not None and not sessions:
             raise InvalidRequest(NO_SESSIONS.format(queue=type(calls).__name__))
         return request
@@ -78,7 +88,9 @@ def router(gateway: Gateway) -> APIRouter:
         """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
         return split_batch(request, settings.max_batch, call)
 
-    @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"))
+    @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"),
+              responses={429: {"model": BatchResponse, "description": "every call overloaded (none run): retry "
+                                                                      "after Retry-After seconds"}})
     async def execute_batch(request: Request) -> Response:
         """Run a batch; results come in request order. An invalid item is answered `rejected`."""
         valid, refused = parse_batch(request)
@@ -102,7 +114,8 @@ def router(gateway: Gateway) -> APIRouter:
         return gateway.stream(request, valid, refused, ExecResult.encoded)
 
     @api.get("/v1/results/{call_id:path}", response_model=ExecResult,
-             responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"}})
+             responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"},
+                        503: {"description": "the queue cannot be asked now: retry after Retry-After seconds"}})
     async def result_by_id(call_id: str) -> Response:
         """The result of a call by the client's id, kept for a while after it ends."""
         try:
@@ -120,7 +133,7 @@ def router(gateway: Gateway) -> APIRouter:
         """The process answers (cheap, even at saturation)."""
         return {"status": "ok"}
 
-    @api.get("/readyz")
+    @api.get("/readyz", responses={503: {"description": "not ready", "content": {"application/json": {}}}})
     async def readyz() -> Response:
         """The pool started with at least one healthy slot (with Redis: Redis answers and a live
         worker has slots)."""

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from codeenv.api.service import Gateway, body_schema, parse
 from codeenv.errors import ApiError
-from codeenv.models import ExecRequest, ExecResult, Status, Text
+from codeenv.models import ExecRequest, ExecResult, Limits, Status, Text
 
 #: The routes that take a JSON body (Guard reads and parses it).
 JSON_PATHS = frozenset({"/execute_batch", "/morph/execute_batch"})
@@ -37,7 +37,9 @@ PYTHON = frozenset({"python", "python3", "py"})
 class ScriptBatch(BaseModel):
     """The body both routers take. Older open-r1 clients send one `language` for all scripts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"scripts": ["0.5 + 0.5"], "languages": ["python"], "timeout": 10},
+    ]})
 
     scripts: list[Text]
     languages: list[Text] | None = None
@@ -47,10 +49,11 @@ class ScriptBatch(BaseModel):
 
     @model_validator(mode="after")
     def _one_language_per_script(self) -> ScriptBatch:
-        if self.languages is None:
-            self.languages = [self.language or "python"] * len(self.scripts)
-        if len(self.languages) != len(self.scripts):
-            raise ValueError(f"{len(self.languages)} languages for {len(self.scripts)} scripts: give one per script")
+        # One per script (open-r1 sends that); a script without one is `language`'s (or python),
+        # languages past the last script name nothing.
+        given = self.languages or []
+        self.languages = [*given[: len(self.scripts)],
+                          *[self.language or "python"] * max(0, len(self.scripts) - len(given))]
         return self
 
 
@@ -95,8 +98,8 @@ class Health(BaseModel):
     status: str = "ok"
 
 
-def _limits(batch: ScriptBatch, gateway: Gateway) -> dict[str, float]:
-    return {"wall_s": min(batch.timeout, gateway.settings.caps.wall_s)}
+def _limits(batch: ScriptBatch, gateway: Gateway) -> Limits:
+    return Limits(wall_s=min(batch.timeout, gateway.settings.caps.wall_s))
 
 
 async def _run(request: Request, gateway: Gateway) -> tuple[ScriptBatch, list[ExecResult | str]]:

@@ -38,16 +38,27 @@ NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool
                "({queue}) does not route them to a worker yet")
 
 
-def body_schema(model: str) -> dict[str, Any]:
+def body_schema(model: str, required: bool = True) -> dict[str, Any]:
     """The OpenAPI request body of a route whose JSON the Guard parses (`model`'s schema is added to
     the document's components by create_app)."""
-    return {"requestBody": {"required": True, "content": {
+    return {"requestBody": {"required": required, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
 
 def sessions_supported(queue: object) -> bool:
     """Whether the queue's pool runs sessions (embedded mode)."""
     return getattr(getattr(queue, "pool", None), "sessions", False) is not False
+
+
+def conflict_status(result: ExecResult) -> int:
+    """The HTTP status of a refused call: 404 for a session that never existed, 409 for an id that
+    names another call, 422 for the rest."""
+    message = result.message or ""
+    if message.startswith("no session"):
+        return 404
+    if "already names a different call" in message:
+        return 409
+    return 422
 
 
 def refusal(result: ExecResult, statuses: Mapping[Status, int]) -> ApiError | None:

@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, body_schema, parse, refusal
+from codeenv.admission import resolve_limits
+from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, body_schema, conflict_status, parse, refusal
 from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
 from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
 from codeenv.sandbox.sessions import SessionManager
@@ -52,8 +53,9 @@ def _error(exc: SessionError) -> ApiError:
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
 
-    @api.post(PREFIX, status_code=201, response_model=SessionInfo, openapi_extra=body_schema("SessionCreate"),
-              responses=ERRORS)
+    @api.post(PREFIX, status_code=201, response_model=SessionInfo,
+              openapi_extra=body_schema("SessionCreate", required=False),
+              responses={k: v for k, v in ERRORS.items() if k not in (404, 410)})
     async def create(request: Request) -> Response:
         """Start a live session: an interpreter whose globals, imports, open files and work dir last
         from cell to cell, until it is deleted or idle for `idle_ttl_s`."""
@@ -78,7 +80,8 @@ def router(gateway: Gateway) -> APIRouter:
         manager = session_manager(gateway)
         return SessionList(sessions=[SessionInfo(**d) for d in manager.describe()])
 
-    @api.get(PREFIX + "/{session_id}", response_model=SessionInfo, responses=ERRORS)
+    @api.get(PREFIX + "/{session_id}", response_model=SessionInfo, responses={
+        k: v for k, v in ERRORS.items() if k not in (422, 429, 503)})
     async def show(session_id: str) -> SessionInfo:
         """One live session."""
         try:
@@ -87,7 +90,11 @@ def router(gateway: Gateway) -> APIRouter:
             raise _error(exc) from None
 
     @api.post(PREFIX + "/{session_id}/execute", response_model=ExecResult, openapi_extra=body_schema("SessionCell"),
-              responses=ERRORS)
+              responses={**ERRORS, 409: {"description": "its id names another call: use a new id"},
+                         410: {"model": ExecResult, "description": "the session ended: the cell's "
+                                                                   "result says session_lost"},
+                         429: {"model": ExecResult, "description": "overloaded (not run): retry after Retry-After "
+                                                                   "seconds"}})
     async def execute(session_id: str, request: Request) -> Response:
         """Run the next cell: the result of /v1/execute, plus `value` (the repr of its last
         expression), `execution_count` and `rolled_back` (a cell stopped by a limit leaves the
@@ -95,14 +102,22 @@ def router(gateway: Gateway) -> APIRouter:
         cell = parse(request, SessionCell)
         manager = session_manager(gateway)
         try:
+            resolve_limits(cell.limits, gateway.settings.defaults, gateway.settings.caps)
+        except InvalidRequest as exc:  # as for a session that still lives: its cells could not run
+            raise ApiError(422, str(exc)) from None
+        try:
             manager.lookup(session_id)
         except SessionError as exc:
+            if exc.status == 410:
+                return _answer(ExecResult(id=cell.id, status=Status.session_lost, message=str(exc),
+                                          session=session_id))
             raise _error(exc) from None
         [result] = await gateway.answer(request, [cell.to_request(session_id)])
         return _answer(result)
 
     @api.post(PREFIX + "/{session_id}/fork", status_code=201, response_model=SessionInfo, responses={
-        **ERRORS, 409: {"description": "its family holds as many sessions as one may"}})
+        **{k: v for k, v in ERRORS.items() if k not in (422, 503)},
+        409: {"description": "its family holds as many sessions as one may"}})
     async def fork(session_id: str) -> Response:
         """A new session from this one's current state (copy-on-write; its work dir is copied). A fork
         asked for while a cell runs waits for the cell to end."""
@@ -112,7 +127,8 @@ def router(gateway: Gateway) -> APIRouter:
             raise _error(exc) from None
         return JSONResponse(SessionInfo(**child.describe()).model_dump(), 201, {"Location": f"{PREFIX}/{child.id}"})
 
-    @api.delete(PREFIX + "/{session_id}", status_code=204, responses=ERRORS)
+    @api.delete(PREFIX + "/{session_id}", status_code=204, responses={
+        k: v for k, v in ERRORS.items() if k not in (422, 429, 503)})
     async def delete(session_id: str) -> Response:
         """End a session: its processes and files are gone when this answers."""
         try:
@@ -129,8 +145,7 @@ def _answer(result: ExecResult) -> Response:
     if result.status == Status.session_lost:
         return Response(body, 410, media_type="application/json")
     if result.status == Status.rejected:
-        return Response(body, 404 if result.message and result.message.startswith("no session") else 422,
-                        media_type="application/json")
+        raise ApiError(conflict_status(result), result.message)
     error = refusal(result, NATIVE_STATUS)
     if error is not None:
         return Response(body, error.status_code, error.headers, media_type="application/json")

@@ -16,7 +16,7 @@ import httpx
 
 from codeenv.client._session import Recorder, SessionStarter, session_request
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
-from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, SessionInfo, Status
+from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Limits, SessionInfo, Status
 
 
 @dataclass(eq=False)
@@ -122,7 +122,8 @@ class AsyncClient:
         """Run one program; returns its structured result. `deadline_s`: it must start within this
         many seconds (counted from now, across retries) or it comes back `overloaded`, not run.
         `display_last`: the repr of the last top-level expression comes back as `value`."""
-        request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=id or uuid.uuid4().hex,
+        request = ExecRequest(code=code, stdin=stdin, limits=Limits.model_validate(dict(limits or {}), strict=False),
+                              id=id or uuid.uuid4().hex,
                               profile=profile, deadline_s=deadline_s, files=dict(files or {}),
                               fetch_files=list(fetch_files or []), display_last=display_last)
         return await self.submit(request, ledger=ledger)

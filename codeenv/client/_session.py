@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import httpx
 
 from codeenv.client.errors import RequestRejected, ServerError, SessionLost, TransportError
-from codeenv.models import ExecRequest, ExecResult, SessionInfo
+from codeenv.models import ExecRequest, ExecResult, Limits, SessionInfo
 
 
 class Recorder(Protocol):
@@ -45,7 +45,8 @@ class AsyncSession:
     async def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None,
                   cell_id: str | None = None, ledger: Recorder | None = None) -> ExecResult:
         """Run the next cell; its result (status `session_lost` once the session has ended)."""
-        request = ExecRequest(code=code, stdin=stdin, limits=dict(limits or {}), id=uuid.uuid4().hex,
+        request = ExecRequest(code=code, stdin=stdin, limits=Limits.model_validate(dict(limits or {}), strict=False),
+                              id=uuid.uuid4().hex,
                               session=self.id, cell_id=cell_id or uuid.uuid4().hex, display_last=True)
         return await self._client.submit(request, ledger=ledger)
 

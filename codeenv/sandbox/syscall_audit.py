@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from codeenv.errors import SandboxError
-from codeenv.models import ExecRequest, LimitValues
+from codeenv.models import ExecRequest, Limits, LimitValues
 from codeenv.settings import SandboxSettings
 
 #: Programs that exercise what math tool calls use: the libraries, threads, processes, sockets, files.
@@ -162,7 +162,7 @@ async def audit(settings: SandboxSettings, programs: dict[str, str]) -> tuple[Co
         async with SlotPool(settings) as pool:
             limits = LimitValues.model_validate({**settings.defaults.model_dump(), "wall_s": 60, "cpu_s": 60})
             for name, code in programs.items():
-                result = await pool.run(ExecRequest(code=code, limits=limits.model_dump()))
+                result = await pool.run(ExecRequest(code=code, limits=Limits(**limits.model_dump())))
                 statuses[name] = result.status if result.status == "ok" else f"{result.status}: {result.message or ''}"
             uids = range(pool.uid_base, pool.uid_base + len(pool.slots))
         await asyncio.sleep(0.2)  # the last records

@@ -1,0 +1,166 @@
+"""The OpenAPI document says what every operation takes and returns, as this server enforces it.
+
+FastAPI writes most of it from the routes; `complete` adds what the routes cannot say by
+themselves:
+
+- the answers every operation may give before its handler runs (the Guard's): 403 for a request a
+  web page could forge, 401 without the token (when one is set), and for a JSON body 400 (not
+  JSON, nested too deep), 413 (too large), 415 (not `application/json`), 422 (not the model);
+- the content types that are not JSON: `/metrics` (Prometheus text), the NDJSON streams;
+- the bounds this server's settings put on requests: each limit's cap, the most items in a batch,
+  tests in a judged submission, files per call, and the image's profiles by name; so that a
+  request the document accepts is not refused for a reason it could have said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from codeenv.models import FN_NAME_PATTERN
+from codeenv.settings import GatewaySettings
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "required": ["detail"],
+    "properties": {"detail": {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"$ref": "#/components/schemas/ValidationIssue"}},
+    ], "description": "what is wrong, as a sentence or (a body that is not the model) one item per problem"}},
+}
+VALIDATION_ISSUE: dict[str, Any] = {
+    "title": "ValidationIssue",
+    "type": "object",
+    "required": ["loc", "msg", "type"],
+    "properties": {"loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+                   "msg": {"type": "string"}, "type": {"type": "string"}},
+}
+#: The answers of the Guard (codeenv.api.guard), before any handler.
+BEFORE_ANY = {"403": "refused: a request a web page could forge (an Origin not allowed, or without a token a "
+                     "Host that is not this service's)"}
+WITHOUT_TOKEN = {"401": "missing or wrong token: send 'Authorization: Bearer <token>'"}
+BEFORE_JSON = {
+    "400": "the body is not JSON, or it is nested too deeply",
+    "413": "the body is larger than the server takes (max_body_bytes)",
+    "415": "the body is not sent as 'Content-Type: application/json'",
+    "422": "the body is not what this operation takes: detail says what to fix",
+}
+#: Responses that stream NDJSON.
+STREAMS = ("/v1/execute/stream", "/v1/judge/stream")
+#: Arrays bounded by max_batch: (schema, property).
+BATCHES = (("BatchRequest", "requests"), ("JudgeBatchRequest", "requests"), ("BatchSubmission", "submissions"),
+           ("ScriptBatch", "scripts"))
+
+
+#: A file path admission.check_path takes: relative, parts neither empty nor "." nor "..", no NUL.
+PATH_PATTERN = r"^(?!\.\.?(?:/|$))[^/\x00]+(?:/(?!\.\.?(?:/|$))[^/\x00]+)*$"
+PATH = {"type": "string", "pattern": PATH_PATTERN, "maxLength": 1024}
+#: Base64 as base64.b64decode(validate=True) takes it.
+BASE64 = {"type": "string", "pattern": r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"}
+#: A judged submission's tests, as _check_tests takes them: stdin tests without fn_name (stdin and
+#: expected_stdout, no args or expected), function-call tests with it (args and expected, no stdin).
+JUDGE_TESTS = {"allOf": [
+    {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
+     "then": {"properties": {"tests": {"items": {"required": ["expected"],
+                                                  "not": {"anyOf": [{"required": ["stdin"]},
+                                                                    {"required": ["expected_stdout"]}]}}}}},
+     "else": {"properties": {"tests": {"items": {"required": ["expected_stdout"],
+                                                  "properties": {"expected_stdout": {"type": "string"}},
+                                                  "not": {"anyOf": [{"required": ["args"]},
+                                                                    {"required": ["expected"]}]}}}}}},
+]}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _bounds(components: dict[str, Any], settings: GatewaySettings, profiles: list[str]) -> None:
+    limits = components.get("Limits", {}).get("properties", {})
+    for name, cap in settings.caps.model_dump().items():
+        for option in limits.get(name, {}).get("anyOf", [limits.get(name, {})]):
+            if option.get("type") in ("number", "integer"):
+                option["maximum"] = cap
+    for schema, prop in BATCHES:
+        field = components.get(schema, {}).get("properties", {}).get(prop)
+        if field is not None:
+            field["maxItems"] = settings.max_batch
+    tests = components.get("JudgeRequest", {}).get("properties", {}).get("tests")
+    if tests is not None:
+        tests["maxItems"] = settings.judge_max_tests
+    for schema in ("ExecRequest", "RunCodeRequest"):
+        props = components.get(schema, {}).get("properties", {})
+        if "files" in props:
+            props["files"].update(maxProperties=settings.max_files, propertyNames=PATH)
+            values = props["files"].get("additionalProperties", {})
+            if values.get("type") == "string":
+                values.update(BASE64)
+            for option in values.get("anyOf", []):
+                if option.get("type") == "string":
+                    option.update(BASE64)
+        if "fetch_files" in props:
+            props["fetch_files"].update(maxItems=settings.max_files, items=PATH)
+    judge = components.get("JudgeRequest")
+    if judge is not None:
+        judge.update(JUDGE_TESTS)
+        for option in judge.get("properties", {}).get("total_wall_s", {}).get("anyOf", []):
+            if option.get("type") == "number":
+                option["maximum"] = settings.judge_max_total_wall_s
+        fn = judge.get("properties", {}).get("fn_name", {})
+        for option in fn.get("anyOf", []):
+            if option.get("type") == "string":
+                option["pattern"] = FN_NAME_PATTERN
+    # A batch item that is not a call is answered `rejected` in its place, not refused as a whole.
+    for schema in ("BatchRequest", "JudgeBatchRequest"):
+        field = components.get(schema, {}).get("properties", {}).get("requests")
+        if field is not None:
+            field["items"] = {"anyOf": [field["items"], {
+                "description": "anything else: answered `rejected` in its place, the others run"}]}
+    for schema in ("ExecRequest", "SessionCreate"):
+        profile = components.get(schema, {}).get("properties", {}).get("profile")
+        if profile is not None and profiles:
+            profile["anyOf"] = [{"type": "string", "enum": profiles}, {"type": "null"}]
+
+
+def _without_sessions(schema: dict[str, Any], components: dict[str, Any]) -> None:
+    """A gateway whose queue runs no sessions: its document has no session endpoints (they answer 501),
+    and a call cannot name a session."""
+    for path in [p for p in schema.get("paths", {}) if p.startswith("/v1/sessions")]:
+        del schema["paths"][path]
+    execute = components.get("ExecRequest", {})
+    for name in ("session", "cell_id"):
+        execute.get("properties", {}).pop(name, None)
+    execute.pop("allOf", None)  # its rules are about sessions' cells
+
+
+def complete(schema: dict[str, Any], settings: GatewaySettings, profiles: list[str],
+             sessions: bool = True) -> dict[str, Any]:
+    """Add to FastAPI's document what the routes cannot say by themselves (see the module's doc)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    if not sessions:
+        _without_sessions(schema, components)
+    components["Error"] = ERROR_SCHEMA
+    components["ValidationIssue"] = VALIDATION_ISSUE
+    _bounds(components, settings, profiles)
+    before = {**BEFORE_ANY, **(WITHOUT_TOKEN if settings.token is not None else {})}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            answers = dict(before)
+            if "requestBody" in operation:
+                answers.update(BEFORE_JSON)
+            for code, description in answers.items():
+                responses.setdefault(code, _error(description))
+            for code, response in responses.items():
+                if code.startswith(("4", "5")) and "content" not in response:
+                    response["content"] = _error("")["content"]
+            if path == "/metrics":
+                responses["200"]["content"] = {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}
+            elif path in STREAMS:
+                ok = responses["200"]
+                ok["content"] = {"application/x-ndjson": ok.get("content", {}).get("application/x-ndjson", {
+                    "schema": {"type": "string"}})}
+    return schema
