@@ -11,7 +11,6 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 
 class Status(StrEnum):
@@ -124,6 +123,10 @@ class ExecRequest(BaseModel):
         {"if": {"required": ["session"], "properties": {"session": {"type": "string"}}},
          "then": {"properties": {"files": {"maxProperties": 0}, "fetch_files": {"maxItems": 0},
                                  "judge": {"type": "null"}}}},
+        # and what admission.judge_limits checks: the tests carry a judged call's input
+        {"if": {"required": ["judge"], "properties": {"judge": {"type": "object"}}},
+         "then": {"properties": {"stdin": {"maxLength": 0}, "files": {"maxProperties": 0},
+                                 "fetch_files": {"maxItems": 0}}}},
     ]})
 
     code: Text
@@ -145,8 +148,9 @@ class ExecRequest(BaseModel):
     )
     display_last: bool = Field(False, description="report the repr of the last top-level expression as "
                                                   "`value` (Jupyter's Out[n])")
-    # Set by /v1/judge (the gateway) for the worker; not part of the public request (/v1/execute refuses it).
-    judge: SkipJsonSchema[JudgeSpec | None] = None
+    judge: JudgeSpec | None = Field(None, description="set by /v1/judge (and the client's judge(), which "
+                                                      "batches judged calls with others): run the code "
+                                                      "against these tests")
     session: Text | None = Field(None, max_length=200, description="run as the next cell of this live session "
                                                                   "(POST /v1/sessions); its value is reported")
     cell_id: Text | None = Field(None, max_length=128, description="with session: a retried cell with the same "
@@ -350,7 +354,7 @@ class JudgeSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    tests: list[JudgeTest]
+    tests: list[JudgeTest] = Field(min_length=1)
     fn_name: Text | None = Field(None, max_length=256)
     compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
@@ -387,12 +391,15 @@ class JudgeRequest(BaseModel):
     id: Text | None = Field(None, max_length=128, description="the caller's call id")
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="must start within this many seconds, or it is answered overloaded")
-    checker: None = Field(None, description="not supported yet: a special checker")
+    checker: Any = Field(None, description="not supported yet: a special checker",
+                         json_schema_extra={"type": "null"})
     interactive: bool = Field(False, description="not supported yet: an interactive problem",
                               json_schema_extra={"const": False})
 
     @model_validator(mode="after")
     def _supported(self) -> JudgeRequest:
+        if self.checker is not None:
+            raise ValueError("special checkers are not supported yet: give expected outputs and a compare mode")
         if self.interactive:
             raise ValueError("interactive problems are not supported yet")
         _check_tests(self.tests, self.fn_name, as_sent=True)

@@ -2,10 +2,11 @@
 
     python scripts/contract.py [--max-examples N] [--mode embedded|redis]...
 
-Starts `codeenv serve` on a free port (embedded: its own pool; redis: a private redis-server and a
-gateway with its local worker), runs `schemathesis run URL/openapi.json --checks all` (settings in
-schemathesis.toml), stops what it started by PID, and exits non-zero if any run failed. Every
-operation in the document is tested: a new endpoint joins by being in it.
+Starts `codeenv serve` on a free port in each mode (embedded: its own pool; redis: a private
+redis-server and a gateway with its local worker), one after the other, then runs `schemathesis run
+URL/openapi.json --checks all` against them side by side (settings in schemathesis.toml), stops
+what it started by PID, and exits non-zero if any run failed. Every operation in the document is
+tested: a new endpoint joins by being in it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,41 +25,51 @@ from codeenv.bench.services import Service, free_port, start_codeenv, start_redi
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(mode: str, max_examples: int, seed: int) -> tuple[int, str]:
+def start(mode: str, logs: Path, started: list[Service]) -> Service:
     # A small max_batch keeps the biggest batches the fuzzer sends to seconds; the document says it.
     env = {"PATH": "/usr/bin:/bin", "CODEENV_MAX_BATCH": "32", "CODEENV_SESSION_IDLE_TTL_S": "30"}
-    started: list[Service] = []
-    args = ["serve", "--log-level", "warning"]
-    try:
-        if mode == "redis":
-            redis = start_redis()
-            started.append(redis)
-            env["CODEENV_REDIS_URL"] = redis.url
-            env["CODEENV_REDIS_PREFIX"] = f"contract-{os.getpid()}"
-        service = start_codeenv(*args, port=free_port(), env=env)
-        started.append(service)
-        service.wait_ready(300)
-        t0 = time.monotonic()
-        command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{service.url}/openapi.json",
-                   "--checks", "all", "--max-examples", str(max_examples), "--seed", str(seed),
-                   "--request-timeout", "60", "--max-failures", "20"]
-        done = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True)
-        return done.returncode, (f"== {mode}: {' '.join(command)}\n{done.stdout}{done.stderr}"
-                                 f"== {mode}: exit status {done.returncode} in {time.monotonic() - t0:.0f}s\n")
-    finally:
-        for svc in reversed(started):
-            svc.kill()
+    if mode == "redis":
+        redis = start_redis()
+        started.append(redis)
+        env["CODEENV_REDIS_URL"] = redis.url
+        env["CODEENV_REDIS_PREFIX"] = f"contract-{os.getpid()}"
+    service = start_codeenv("serve", "--log-level", "warning", port=free_port(), env=env, log=logs / f"{mode}.log")
+    started.append(service)
+    return service.wait_ready(300)
+
+
+def check(mode: str, url: str, max_examples: int, seed: int) -> tuple[int, str]:
+    t0 = time.monotonic()
+    command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{url}/openapi.json",
+               "--checks", "all", "--max-examples", str(max_examples), "--seed", str(seed),
+               "--request-timeout", "60", "--max-failures", "20"]
+    done = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True)
+    return done.returncode, (f"== {mode}: {' '.join(command)}\n{done.stdout}{done.stderr}"
+                             f"== {mode}: exit status {done.returncode} in {time.monotonic() - t0:.0f}s\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-examples", type=int, default=15)
+    parser.add_argument("--max-examples", type=int, default=12)
     parser.add_argument("--seed", type=int, default=20261203)
     parser.add_argument("--mode", action="append", choices=["embedded", "redis"])
     args = parser.parse_args()
     modes = args.mode or ["embedded", "redis"]
-    with ThreadPoolExecutor(len(modes)) as pool:  # side by side: half the wall time
-        runs = list(pool.map(lambda mode: run(mode, args.max_examples, args.seed), modes))
+    started: list[Service] = []
+    with tempfile.TemporaryDirectory(prefix="codeenv-contract-") as logs:
+        try:
+            try:
+                urls = [start(mode, Path(logs), started).url for mode in modes]
+            except Exception:
+                for log in Path(logs).glob("*.log"):
+                    print(f"== {log.name}:\n{log.read_text()[-4000:]}", file=sys.stderr)
+                raise
+            with ThreadPoolExecutor(len(modes)) as pool:  # side by side: half the wall time
+                runs = list(pool.map(lambda m: check(*m, args.max_examples, args.seed),
+                                     zip(modes, urls, strict=True)))
+        finally:
+            for svc in reversed(started):
+                svc.kill()
     for _, output in runs:
         print(output, flush=True)
     failed = [mode for mode, (status, _) in zip(modes, runs, strict=True) if status]

@@ -53,7 +53,7 @@ async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.Async
     (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     (b'{"code": "1", "limits": ' + b"[" * 900 + b"]" * 900 + b"}", 422, "limits"),
     (b'{"code": 1}', 422, "string"),
-    (b'{"code": "1", "limits": {"wall_s": "NaN"}}', 422, "finite"),
+    (b'{"code": "1", "limits": {"wall_s": "NaN"}}', 422, "valid number"),  # a string is not a number
     (b'{"code": "1", "limits": {"memory_mb": 100000000}}', 422, "cannot exceed the configured limit"),
     (b'{"code": "print(\\"\\ud800\\")"}', 422, "surrogates"),
     (b"\xff\xfe", 400, "not valid JSON"),
@@ -178,7 +178,7 @@ async def test_a_resubmitted_id_attaches_to_the_same_call(client: httpx.AsyncCli
     resent = await client.post("/v1/execute", json={"code": code, "id": "retry-me", "deadline_s": 3.5})
     assert resent.json()["stdout"] == first.json()["stdout"]
     other = await client.post("/v1/execute", json={"code": "print(2)", "id": "retry-me"})
-    assert other.status_code == 422 and "different call" in other.json()["detail"]
+    assert other.status_code == 409 and "different call" in other.json()["detail"]
     assert (await client.get("/v1/results/never-sent")).status_code == 404
 
 

@@ -231,8 +231,8 @@ async def test_pytest_args_files_and_refusals(server: str) -> None:
                                                    "files": {"absent.txt": None, "a.txt": b64(b"a"),
                                                              "IGNORE_THIS_FILE.txt": b64(b"x")}})).json()
         assert listing["run_result"]["stdout"] == "['a.txt']\n", listing
-        refused = await c.post("/run_code", json={"code": "print(1)", "language": "python", "args": ["-x"]})
-        assert refused.status_code == 422 and "args are passed to pytest only" in refused.text
+        ignored = await c.post("/run_code", json={"code": "print(1)", "language": "python", "args": ["-x"]})
+        assert ignored.json()["status"] == "Success" and "args ignored" in ignored.json()["message"]
         big = await c.post("/run_code", json={"code": "#" * ((1 << 20) + 1), "language": "pytest"})
         assert big.status_code == 422 and "the limit is" in big.text
 

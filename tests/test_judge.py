@@ -106,13 +106,13 @@ def test_reward_helper_flags_service_faults() -> None:
 
 @pytest.mark.jail
 @pytest.mark.parametrize(("body", "says"), [
-    ({"code": ADD, "tests": []}, "at least one test"),
+    ({"code": ADD, "tests": []}, "at least 1 item"),
     ({"code": ADD, "tests": stdin_tests(("1 1", "2"))[:1] * 51}, "51 tests; the limit is 50"),
     ({"code": ADD, "tests": stdin_tests(("1" * 70000, "2"))}, "more than 65536 bytes"),
     ({"code": ADD, "tests": [{"stdin": "1 1", "expected": 2}]}, "stdin tests have stdin and expected_stdout"),
     ({"code": ADD, "fn_name": "f", "tests": [{"stdin": "1", "expected_stdout": "2"}]}, "function-call tests"),
     ({"code": ADD, "fn_name": "f", "tests": [{"args": [1]}]}, "function-call tests"),
-    ({"code": ADD, "fn_name": "not a name", "tests": [{"args": [1], "expected": 1}]}, "not a Python identifier"),
+    ({"code": ADD, "fn_name": "not a name", "tests": [{"args": [1], "expected": 1}]}, "(ASCII) identifier"),
     ({"code": ADD, "language": "cpp", "tests": stdin_tests(("1 1", "2"))}, "language 'cpp' is not supported"),
     ({"code": ADD, "checker": "def check(a, b): ...", "tests": stdin_tests(("1 1", "2"))}, "special checkers"),
     ({"code": ADD, "interactive": True, "tests": stdin_tests(("1 1", "2"))}, "interactive problems"),
@@ -370,7 +370,7 @@ async def test_batch_and_stream(api: httpx.AsyncClient) -> None:
     assert r.status_code == 200
     results = r.json()["results"]
     assert [(x["id"], x["status"]) for x in results] == [("good", "passed"), ("empty", "rejected"), ("wrong", "failed")]
-    assert "at least one test" in results[1]["message"]
+    assert "at least 1 item" in results[1]["message"]
     odd = await api.post("/v1/judge/batch", headers={"Content-Type": "application/json"},
                          content=json.dumps({"requests": [{"code": ADD, "tests": [], "id": "\ud800"}]}))
     assert odd.status_code == 200 and odd.json()["results"][0]["id"] is None  # an id nothing could send back

@@ -73,6 +73,15 @@ JUDGE_TESTS = {"allOf": [
 ]}
 
 
+JUDGE_SPEC_TESTS = {"allOf": [
+    {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
+     "then": {"properties": {"tests": {"items": {"properties": {"stdin": {"type": "null"},
+                                                                 "expected_stdout": {"type": "null"}}}}}},
+     "else": {"properties": {"tests": {"items": {"required": ["expected_stdout"], "properties": {
+         "expected_stdout": {"type": "string"}, "args": {"type": "null"}, "expected": {"type": "null"}}}}}}},
+]}
+
+
 def _error(description: str) -> dict[str, Any]:
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -103,6 +112,18 @@ def _bounds(components: dict[str, Any], settings: GatewaySettings, profiles: lis
                     option.update(BASE64)
         if "fetch_files" in props:
             props["fetch_files"].update(maxItems=settings.max_files, items=PATH)
+    spec = components.get("JudgeSpec")
+    if spec is not None:  # as a queue carries it: the fields that are not null count
+        spec.update(JUDGE_SPEC_TESTS)
+        spec_props = spec.get("properties", {})
+        if "tests" in spec_props:
+            spec_props["tests"]["maxItems"] = settings.judge_max_tests
+        for option in spec_props.get("total_wall_s", {}).get("anyOf", []):
+            if option.get("type") == "number":
+                option["maximum"] = settings.judge_max_total_wall_s
+        for option in spec.get("properties", {}).get("fn_name", {}).get("anyOf", []):
+            if option.get("type") == "string":
+                option["pattern"] = FN_NAME_PATTERN
     judge = components.get("JudgeRequest")
     if judge is not None:
         judge.update(JUDGE_TESTS)
@@ -133,7 +154,12 @@ def _without_sessions(schema: dict[str, Any], components: dict[str, Any]) -> Non
     execute = components.get("ExecRequest", {})
     for name in ("session", "cell_id"):
         execute.get("properties", {}).pop(name, None)
-    execute.pop("allOf", None)  # its rules are about sessions' cells
+    rules = [r for r in execute.get("allOf", [])
+             if not set(r.get("if", {}).get("required", [])) & {"session", "cell_id"}]
+    if rules:
+        execute["allOf"] = rules
+    else:
+        execute.pop("allOf", None)
 
 
 def complete(schema: dict[str, Any], settings: GatewaySettings, profiles: list[str],

@@ -62,8 +62,6 @@ def router(gateway: Gateway) -> APIRouter:
     async def execute(request: Request) -> Response:
         """Run one program and return its structured result."""
         one = parse(request, ExecRequest)
-        if one.judge is not None:
-            raise ApiError(422, "judge is set by /v1/judge: send a submission with its tests there")
         if one.session is not None and not sessions:
             raise ApiError(422, NO_SESSIONS.format(queue=type(calls).__name__))
         [result] = await gateway.answer(request, [one])
@@ -78,8 +76,6 @@ def router(gateway: Gateway) -> APIRouter:
 
     def call(item: object) -> ExecRequest:
         request = ExecRequest.model_validate(item)
-        if request.judge is not None:
-            raise InvalidRequest("judge is set by /v1/judge: send a submission with its tests there")
         if request.session is not None and not sessions:
             raise InvalidRequest(NO_SESSIONS.format(queue=type(calls).__name__))
         return request
