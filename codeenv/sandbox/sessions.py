@@ -55,7 +55,7 @@ from codeenv.sandbox.zygote_proc import (
     ZygoteProcess,
     _CallFiles,
     _message,
-    _read_report,
+    collect,
     receive,
 )
 from codeenv.settings import SandboxSettings
@@ -709,14 +709,7 @@ class SessionManager:
                         for pid in started:  # over the family's cap too, the cell's go first
                             _oom_score(pid, b"1000")
             out.wall_s = time.monotonic() - t0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
-            out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
-            out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
-            out.report = _read_report(call.report, REPORT_BYTES)
-            setup = _read_report(call.setup, REPORT_BYTES)
-            if setup is not None:
-                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+            await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
             out.oom_killed = cell.oom_kills() > oom0 or cg.oom_kills() > family_oom0
             out.pids_limit_hit = cell.pids_limit_hits() > pids0

@@ -1018,7 +1018,8 @@ def _threads():
 
 
 def _reap_children():
-    """Reap this session's ended forks (a session's only children between cells)."""
+    """Reap every child that has ended (a session's closed forks; a supervisor's and the session
+    zygote's ended processes), without waiting."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -1223,13 +1224,7 @@ class _Family:
                 time.sleep(0.001)
 
     def reap(self):
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        _reap_children()
 
     def new_session(self, sid, make):
         """A session process: `make(ch_fd)` runs in a child (forked here or by a session) and says
@@ -1616,13 +1611,7 @@ def _serve_sessions(ctl):
     families = {}
     while True:
         ready, _, _ = select.select([ctl], [], [], 1.0)
-        while True:  # supervisors whose family ended (they were re-parented to us)
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        _reap_children()  # supervisors whose family ended (they were re-parented to us)
         if not ready:
             continue
         try:

@@ -651,15 +651,7 @@ class ZygoteProcess:
             drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
             await self._await_exit(out, seq, call.setup, limits.wall_s)
             out.wall_s = time.monotonic() - t0
-            # Every writer is dead now, so the pipes reach EOF promptly.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), self.settings.control_timeout_s)
-            out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
-            out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
-            out.report = _read_report(call.report, report_bytes)
-            setup = _read_report(call.setup, REPORT_BYTES)
-            if setup is not None:
-                out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+            await collect(out, call, drains, report_bytes, self.settings.control_timeout_s)
             if fetch and call.fetched is not None and out.exited is not None:
                 out.fetched, out.fetch_errors = _read_fetched(call.fetched, fetch)
         with contextlib.suppress(OSError, ValueError):
@@ -821,6 +813,19 @@ class ZygoteProcess:
 CPU_POLL_S = 0.02
 #: How long the submission's process has to stop a test it was asked to stop, before the jail does.
 STOP_WAIT_S = 0.5
+
+
+async def collect(out: Outcome, call: _CallFiles, drains: list[_Drain], report_bytes: int, timeout_s: float) -> None:
+    """A call's output and reports into `out`, once every writer is dead (so the pipes reach EOF
+    promptly; after `timeout_s` what was read is what there is)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), timeout_s)
+    out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
+    out.stdout_truncated, out.stderr_truncated = drains[0].truncated, drains[1].truncated
+    out.report = _read_report(call.report, report_bytes)
+    setup = _read_report(call.setup, REPORT_BYTES)
+    if setup is not None:
+        out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
 
 
 async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: int | None,
