@@ -375,6 +375,11 @@ class SessionManager:
         s = self.settings
         if s.sessions_max == 0:
             raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
+        if not family_filter_hex(s):
+            # The session jail's policy allows the calls that set a family up; the family's own filter
+            # is what keeps them from its code, and there is none without the allowlist.
+            raise SessionError("sessions need the seccomp allowlist (CODEENV_SECCOMP=allowlist) on x86_64 or "
+                               "aarch64", 501)
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
