@@ -91,10 +91,9 @@ class BenchError(CodeenvError):
 class SessionError(CodeenvError):
     """A session request that cannot be served; `status` is the HTTP status that says why."""
 
-    def __init__(self, message: str, status: int, result_status: str | None = None) -> None:
+    def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-        self.result_status = result_status
 
 
 def session_not_found(session_id: str) -> SessionError:
@@ -103,4 +102,4 @@ def session_not_found(session_id: str) -> SessionError:
 
 
 def session_lost(session_id: str, why: str) -> SessionError:
-    return SessionError(f"session {session_id[:80]!r} has ended: {why}", 410, "session_lost")
+    return SessionError(f"session {session_id[:80]!r} has ended: {why}", 410)

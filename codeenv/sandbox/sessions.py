@@ -285,8 +285,6 @@ class SessionManager:
         self._reaper: asyncio.Task[None] | None = None
         self._spares: dict[str, asyncio.Task[Family]] = {}
         self._closing = False
-        self.evicted = 0
-        self.expired = 0
 
     # --- ids ------------------------------------------------------------------------------------
 
@@ -385,7 +383,7 @@ class SessionManager:
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
         if len(self.sessions) >= s.sessions_max:
             raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX); "
-                               "end some, or retry later", 429, "overloaded")
+                               "end some, or retry later", 429)
         await self._make_room()
         family = await self._take_spare(profile)
         if family is None:
@@ -422,7 +420,7 @@ class SessionManager:
         s = self.settings
         if not self._free_uids:
             raise SessionError(f"this worker holds {len(self.families)} session families, its most "
-                               "(CODEENV_SESSIONS_MAX); end some, or retry later", 429, "overloaded")
+                               "(CODEENV_SESSIONS_MAX); end some, or retry later", 429)
         uid_index = self._free_uids.popleft()
         fid = next(self._fids)
         groups: list[JailCgroup] = []
@@ -474,7 +472,7 @@ class SessionManager:
                         return got
         except (OSError, TimeoutError) as exc:
             await self._end_family(family, "its processes were lost")
-            raise session_lost("?", f"its processes were lost ({exc})") from None
+            raise SessionError(f"the session has ended: its processes were lost ({exc})", 410) from None
 
     async def _end_family(self, family: Family, why: str) -> None:
         if family.ended is not None:
@@ -534,7 +532,7 @@ class SessionManager:
                                "(CODEENV_SESSION_FORKS_MAX); delete some first", 409)
         if len(self.sessions) >= s.sessions_max:
             raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX)",
-                               429, "overloaded")
+                               429)
         session.busy += 1
         try:
             async with family.lock:
@@ -545,7 +543,7 @@ class SessionManager:
                 got = await self._ask(family, {"op": "fork", "sid": session.index, "new_sid": index}, "forked",
                                       s.control_timeout_s + s.cleanup_timeout_s)
                 if got.get("ok") is not True:
-                    raise SessionError("the session could not be forked (its process is gone)", 410, "session_lost")
+                    raise SessionError("the session could not be forked (its process is gone)", 410)
                 child = Session(self._new_id(), index, family, session.profile, session.idle_ttl_s, session.limits,
                                 cells=session.cells)
                 family.sessions[index] = child
@@ -563,9 +561,8 @@ class SessionManager:
                     if not f.lock.locked() and all(s.busy == 0 for s in f.sessions.values())]
             if not idle:
                 raise SessionError("the worker is short of memory and every session is busy; retry later",
-                                   429, "overloaded")
+                                   429)
             victim = min(idle, key=lambda f: f.last_used)
-            self.evicted += len(victim.sessions)
             logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
                         time.monotonic() - victim.last_used)
             await self._end_family(victim, "it was evicted: the worker ran short of memory")
@@ -583,7 +580,6 @@ class SessionManager:
                     why = f"it reached the maximum lifetime of {self.settings.session_max_lifetime_s:g}s"
                 else:
                     continue
-                self.expired += 1
                 with contextlib.suppress(Exception):
                     await self._close(session, why)
             for family in list(self.families.values()):
@@ -727,8 +723,11 @@ class SessionManager:
         if done is None or done.get("lost"):
             why = "the cell outlived its limits and its session could not be rolled back" if done is None \
                 else "its process ended during the cell and there was nothing to roll back to"
-            await self._end_family(family, why) if len(family.sessions) <= 1 or done is None \
-                else await self._drop(session, why)
+            if done is None or len(family.sessions) <= 1:
+                await self._end_family(family, why)
+            else:  # its forks live on in the family
+                family.sessions.pop(session.index, None)
+                self._forget(session, why)
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
             return result
@@ -751,10 +750,6 @@ class SessionManager:
             written = done.get("written")
             result.written_files = [str(p)[:500] for p in written[:100]] if isinstance(written, list) else []
         return result
-
-    async def _drop(self, session: Session, why: str) -> None:
-        session.family.sessions.pop(session.index, None)
-        self._forget(session, why)
 
     # --- views ----------------------------------------------------------------------------------
 

@@ -938,8 +938,8 @@ def _session_dir(sid):
     return f"{_config['workdir']}/s{sid}"
 
 
-def _enter_session(sid, ch_fd):
-    """In a session's process: its own dir, HOME and TMPDIR, and its channel on a known fd."""
+def _enter_session(sid):
+    """In a session's process: its own dir, HOME and TMPDIR."""
     path = _session_dir(sid)
     os.chdir(path)
     os.environ["HOME"] = os.environ["TMPDIR"] = path
@@ -1018,15 +1018,16 @@ def _threads():
 
 
 def _reap_children():
-    """Reap every child that has ended (a session's closed forks; a supervisor's and the session
-    zygote's ended processes), without waiting."""
+    """Reap every child that has ended, without waiting: how many, or None when no child is left."""
+    reaped = 0
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return None
         if pid == 0:
-            return
+            return reaped
+        reaped += 1
 
 
 def _random_state():
@@ -1053,7 +1054,7 @@ def _forked_session(ch_fd, msg):
             os.mkdir(_session_dir(msg["new_sid"]), 0o700)
         except OSError:
             pass
-    _enter_session(msg["new_sid"], ch_fd)
+    _enter_session(msg["new_sid"])
     _send(ch, {"op": "hello", "copied": ok})
     return ch
 
@@ -1495,7 +1496,7 @@ def _family_supervisor(sock, msg):
             try:
                 sock.close()
                 main = _prepare_session()
-                _enter_session(0, theirs.fileno())
+                _enter_session(0)
                 ch = socket.socket(fileno=os.dup(theirs.fileno()))
                 theirs.close()
                 _send(ch, {"op": "hello"})
@@ -1659,15 +1660,9 @@ def _kill_everything():
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        reaped = False
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                break
-            reaped = True
+        reaped = _reap_children()
+        if reaped is None:
+            return
         if not reaped:
             time.sleep(0.0005)
 
