@@ -52,7 +52,7 @@ from codeenv.sandbox.sizing import (
     socket_memory_limit,
     tcp_pressure_bytes,
 )
-from codeenv.sandbox.uids import BLOCK, check_uids_free, claim_block
+from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, uids_needed
 from codeenv.settings import SandboxSettings
 
 #: The namespaces every jail is made of (jail.py sets each clone_new* flag).
@@ -344,6 +344,7 @@ def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | N
     """The host uids a pool would run its slots as (claimed and released again), or None."""
     if settings.uid_base is not None:
         try:
+            check_uids_mapped(settings.uid_base, uids_needed(settings))
             check_uids_free(settings.uid_base, slots)
         except SandboxError as exc:
             report.add("slot uids", Level.fail, str(exc))
@@ -352,12 +353,12 @@ def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | N
         report.add("slot uids", Level.ok, f"{settings.uid_base}..{last} unused (CODEENV_UID_BASE)")
         return settings.uid_base
     try:
-        block = claim_block(settings.uid_lock_dir, settings.uid_range_start)
+        block = claim_for(settings)
     except SandboxError as exc:
         report.add("slot uids", Level.fail, str(exc))
         return None
     block.release()
-    report.add("slot uids", Level.ok, f"a free block from host uid {block.base} ({BLOCK} uids; locks in "
+    report.add("slot uids", Level.ok, f"a free block from host uid {block.base} ({block.size} uids; locks in "
                                       f"{settings.uid_lock_dir})")
     return block.base
 

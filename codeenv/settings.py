@@ -50,12 +50,15 @@ class SandboxSettings(BaseSettings):
     )
     slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=1024)
     uid_base: int | None = Field(
-        None, ge=100_000,
-        description="slot i runs as host uid/gid uid_base+i; unset: the pool claims a free block of host uids itself",
+        None, ge=1000,
+        description="slot i runs as host uid/gid uid_base+i (on a host, keep it far above users' uids); unset: the "
+                    "pool claims a free block of host uids itself",
     )
-    uid_range_start: int = Field(
-        1_500_000_000, ge=100_000, le=2**32 - 2 - 65536,
-        description="where the blocks of host uids that pools claim start (when uid_base is unset)",
+    uid_range_start: int | None = Field(
+        None, ge=1000, le=2**32 - 2 - 65536,
+        description="where the blocks of host uids that pools claim start (when uid_base is unset); unset: "
+                    "1,500,000,000, or in a user namespace that does not map it (a Kubernetes pod with "
+                    "hostUsers: false) the upper half of the uids it maps",
     )
     uid_lock_dir: Path = Field(
         Path("/run/codeenv/uid-blocks"),

@@ -89,15 +89,16 @@ def prepare_jails(settings: SandboxSettings, progress: Progress | None = None) -
     from codeenv.sandbox.pool import nsjail_binary
     from codeenv.sandbox.probe import probe_jail
     from codeenv.sandbox.sizing import preflight
-    from codeenv.sandbox.uids import check_uids_free, claim_block
+    from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, uids_needed
 
     image = ensure_image(settings, progress=progress)
     preflight(settings, image.spec)
     if settings.uid_base is not None:
+        check_uids_mapped(settings.uid_base, uids_needed(settings))
         check_uids_free(settings.uid_base, settings.slots)
         probe_jail(settings, image, nsjail_binary(settings), settings.uid_base)
         return
-    block = claim_block(settings.uid_lock_dir, settings.uid_range_start)  # the pool claims its own later
+    block = claim_for(settings)  # the pool claims its own later
     try:
         probe_jail(settings, image, nsjail_binary(settings), block.base)
     finally:

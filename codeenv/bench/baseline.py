@@ -29,7 +29,7 @@ from codeenv.admission import resolve_limits
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each
 from codeenv.sandbox.image import Image, ensure_image
-from codeenv.sandbox.uids import UidBlock, check_uids_free, claim_block
+from codeenv.sandbox.uids import UidBlock, check_uids_free, check_uids_mapped, claim_for
 from codeenv.settings import SandboxSettings
 
 DESIGNS = ("naive", "naive-jail")
@@ -67,9 +67,10 @@ class BaselineQueue:
         if self.design == "naive-jail":
             base = self.settings.uid_base
             if base is None:
-                self._uids = claim_block(self.settings.uid_lock_dir, self.settings.uid_range_start)
+                self._uids = claim_for(self.settings)
                 base = self._uids.base
             else:
+                check_uids_mapped(base, self.settings.slots)
                 check_uids_free(base, self.settings.slots)
             self._free_uids = list(range(base, base + self.settings.slots))
         else:

@@ -39,7 +39,15 @@ from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
-from codeenv.sandbox.uids import UidBlock, check_uids_free, claim_block
+from codeenv.sandbox.uids import (
+    FAMILY_UIDS,
+    SESSION_ROOT_UIDS,
+    UidBlock,
+    check_uids_free,
+    check_uids_mapped,
+    claim_for,
+    uids_needed,
+)
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote_proc import ZygoteProcess
 from codeenv.settings import SandboxSettings
@@ -51,10 +59,6 @@ SUPERVISE_EVERY_S = 5.0
 _pool_ids = itertools.count()
 #: Attempts for a call whose zygote died before it started (it is safe to run it elsewhere).
 MAX_DISPATCH = 3
-#: Host uids of a pool's block past its slots': its session jails' roots (one per profile), then its
-#: families' uids (CODEENV_SESSIONS_MAX of them).
-SESSION_ROOT_UIDS = 1024
-FAMILY_UIDS = 2048
 
 
 def nsjail_binary(settings: SandboxSettings) -> Path:
@@ -184,9 +188,10 @@ class SlotPool:
             plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
             if settings.uid_base is None:
-                self._uids = await asyncio.to_thread(claim_block, settings.uid_lock_dir, settings.uid_range_start)
+                self._uids = await asyncio.to_thread(claim_for, settings)
                 self.uid_base = self._uids.base
             else:
+                check_uids_mapped(settings.uid_base, uids_needed(settings))
                 check_uids_free(settings.uid_base, slots)
                 self.uid_base = settings.uid_base
             # One jail first: a host that cannot run jails gets one line saying why (StartFailure).

@@ -96,10 +96,19 @@ class Family:
     ended: str | None = None
 
     def move(self, pids: Iterable[int], to: JailCgroup) -> None:
+        """Move processes of the family into `to`; SandboxError when the kernel refuses (a process
+        that ended is no error). A process left outside its group would run without its caps."""
         for pid in pids:
             for procs in to.procs_files():
-                with contextlib.suppress(ProcessLookupError, OSError):
+                try:
                     procs.write_text(str(pid))
+                except ProcessLookupError:
+                    break
+                except OSError as exc:
+                    raise SandboxError(
+                        f"cannot move a session's process into its cgroup {procs.parent} ({exc.strerror}): on "
+                        "cgroup v1 only real root may move another uid's process, so sessions need a worker "
+                        "outside a user namespace there, or cgroup v2") from exc
 
     def remove_cgroups(self) -> None:
         for group in (self.cell, self.main, self.cgroup):  # children first
@@ -450,7 +459,7 @@ class SessionManager:
             _oom_score(host_pid, b"-1000")
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
-            if isinstance(exc, Exception) and not isinstance(exc, SessionError):
+            if isinstance(exc, Exception) and not isinstance(exc, (SessionError, SandboxError)):
                 raise SandboxError(f"a session could not start: {exc!r}") from exc
             raise
         return family
@@ -704,11 +713,16 @@ class SessionManager:
                     with contextlib.suppress(OSError):
                         family.sock.send(b'{"op":"resume"}')
                 elif got.get("op") == "cell_started":
-                    with contextlib.suppress(OSError, ValueError):
+                    try:
                         started = set(family.main.procs()) - before
                         family.move(started, cell)
                         for pid in started:  # over the family's cap too, the cell's go first
                             _oom_score(pid, b"1000")
+                    except SandboxError as exc:  # without its own limits the cell must not run
+                        logger.error("%s", exc)
+                        stop()
+                    except (OSError, ValueError):
+                        pass
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
@@ -717,7 +731,8 @@ class SessionManager:
             peak = cell.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            family.move(cell.procs(), family.main)  # a kept cell's process is the session now
+            with contextlib.suppress(SandboxError):  # a kept cell's process is the session now
+                family.move(cell.procs(), family.main)
         cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if done is None or done.get("lost"):

@@ -3,7 +3,7 @@
 Slot i of a pool runs as host uid ``block.base + i``. Two pools on one host must never share a uid
 (RLIMIT_NPROC and signal permissions are per uid), so each pool claims a block for itself:
 
-    block = claim_block(settings.uid_lock_dir, settings.uid_range_start)
+    block = claim_for(settings)
     ...
     block.release()   # or let the process exit: the kernel drops the lock, even on SIGKILL
 
@@ -15,7 +15,14 @@ through a volume (docs/deploy.md). A block is ``BLOCK`` uids wide: the most slot
 with room for per-session uids.
 
 ``CODEENV_UID_BASE`` overrides all this: the pool then runs at that base and claims nothing (and
-still refuses uids that a live process holds: `check_uids_free`).
+still refuses uids that a live process holds, or that this user namespace does not map:
+`check_uids_free`).
+
+"Host uid" means a uid of the user namespace the worker runs in. On a host that is the initial
+namespace, whose uids are all mapped. In a Kubernetes pod with ``hostUsers: false`` it is the pod's
+own namespace, which maps 65,536 uids (0..65535) to a range of the node's that no other pod shares:
+there blocks are carved out of those uids (`range_start`), narrower than ``BLOCK`` if need be
+(`UidBlock.size`), never reaching the overflow uid (65534, what unmapped owners show as).
 """
 
 from __future__ import annotations
@@ -26,22 +33,91 @@ import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from codeenv.errors import SandboxError
+
+if TYPE_CHECKING:
+    from codeenv.settings import SandboxSettings
 
 #: Host uids per block: 1024 slots (SandboxSettings.slots' bound) and room for per-session uids.
 BLOCK = 1 << 16
 #: The highest host uid a jail may be mapped to (2**32 - 1 is "no uid").
 LAST_UID = 2**32 - 2
+#: Where blocks start by default: far above login users, system users and subuid ranges.
+DEFAULT_RANGE_START = 1_500_000_000
+#: A block's layout from its base: slots at 0..1023, session jails' roots (one per profile) from
+#: SESSION_ROOT_UIDS, session families (one uid each, up to sessions_max) from FAMILY_UIDS.
+SESSION_ROOT_UIDS = 1024
+FAMILY_UIDS = 2048
+
+
+def uids_needed(settings: SandboxSettings) -> int:
+    """How many uids from its base a pool of these settings may run processes as."""
+    return FAMILY_UIDS + settings.sessions_max
+
+
+def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
+    """The uids this process's user namespace maps, in its own numbers, adjacent extents merged
+    (the initial namespace: all of 0..2**32-2)."""
+    extents = sorted(range(int(inside), int(inside) + int(count))
+                     for inside, _outside, count in (line.split() for line in uid_map.read_text().splitlines()))
+    merged: list[range] = []
+    for extent in extents:
+        if merged and extent.start <= merged[-1].stop:
+            merged[-1] = range(merged[-1].start, max(merged[-1].stop, extent.stop))
+        else:
+            merged.append(extent)
+    return merged
+
+
+def overflow_uid() -> int:
+    """The uid that stands for an owner this namespace cannot map (65534 unless changed)."""
+    try:
+        return int(Path("/proc/sys/kernel/overflowuid").read_text())
+    except (OSError, ValueError):
+        return 65534
+
+
+def mapped_run(base: int, mapped: list[range], overflow: int) -> int:
+    """How many uids from `base` on are mapped, one after another, before the overflow uid."""
+    for extent in mapped:
+        if base in extent:
+            stop = min(extent.stop, LAST_UID + 1)
+            if base <= overflow < stop:
+                stop = overflow
+            return max(0, stop - base)
+    return 0
+
+
+def range_start(configured: int | None, mapped: list[range] | None = None) -> int:
+    """Where blocks start: CODEENV_UID_RANGE_START, else `DEFAULT_RANGE_START` where this namespace
+    maps it, else (a pod's 65,536 uids) the upper half of the namespace's largest extent of uids."""
+    if configured is not None:
+        return configured
+    mapped = mapped_uids() if mapped is None else mapped
+    if any(DEFAULT_RANGE_START in extent for extent in mapped) or not mapped:
+        return DEFAULT_RANGE_START
+    largest = max(mapped, key=len)
+    return largest.start + len(largest) // 2
+
+
+def _uid_map_text() -> str:
+    try:
+        return "; ".join(" ".join(line.split()) for line in Path("/proc/self/uid_map").read_text().splitlines())
+    except OSError:
+        return "unreadable"
 
 
 @dataclass
 class UidBlock:
-    """A claimed block: host uids ``base .. base + BLOCK - 1``, held while `fd` is open."""
+    """A claimed block: host uids ``base .. base + size - 1``, held while `fd` is open."""
 
     base: int
     path: Path
     fd: int | None
+    #: Uids from `base` that the pool may use: ``BLOCK``, or fewer where this namespace maps fewer.
+    size: int = BLOCK
 
     def release(self) -> None:
         if self.fd is not None:
@@ -69,6 +145,16 @@ def uids_in_use() -> dict[int, int]:
     return used
 
 
+def check_uids_mapped(uid_base: int, count: int) -> None:
+    """SandboxError when this user namespace does not map all of ``uid_base .. uid_base + count - 1``."""
+    if mapped_run(uid_base, mapped_uids(), overflow_uid()) < count:
+        raise SandboxError(
+            f"host uids {uid_base}..{uid_base + count - 1} are not all mapped in this user namespace "
+            f"(uid_map: {_uid_map_text()}; the overflow uid {overflow_uid()} cannot be used): set "
+            "CODEENV_UID_BASE to mapped uids, or unset it to have a block carved out of them"
+        )
+
+
 def check_uids_free(uid_base: int, count: int, used: dict[int, int] | None = None) -> None:
     """SandboxError when a live process runs as one of the host uids ``uid_base .. uid_base + count - 1``."""
     used = uids_in_use() if used is None else used
@@ -89,17 +175,29 @@ def _lock_dir(directory: Path) -> None:
                            "CODEENV_UID_LOCK_DIR to a writable directory every worker on this host shares") from exc
 
 
-def claim_block(lock_dir: Path, start: int, *, block: int = BLOCK) -> UidBlock:
-    """Claim the first block from `start` that no process holds a lock on and no live process uses.
+def claim_for(settings: SandboxSettings) -> UidBlock:
+    """The block a pool of these settings runs in: `claim_block` from `range_start`, wide enough
+    for `uids_needed`."""
+    return claim_block(settings.uid_lock_dir, range_start(settings.uid_range_start), need=uids_needed(settings))
 
-    SandboxError when every block is taken or the directory cannot be used.
+
+def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK) -> UidBlock:
+    """Claim the first block from `start` that no process holds a lock on and no live process uses,
+    of which this user namespace maps at least `need` uids.
+
+    SandboxError when every block is taken or too narrow, or the directory cannot be used.
     """
     _lock_dir(lock_dir)
     used = uids_in_use()
+    mapped, overflow = mapped_uids(), overflow_uid()
     blocks = max(0, (LAST_UID + 1 - start) // block)
-    busy = 0
+    busy = narrow = 0
     for i in range(blocks):
         base = start + i * block
+        size = min(block, mapped_run(base, mapped, overflow))
+        if size < need:
+            narrow += 1
+            continue
         path = lock_dir / f"uid-block-{base}.lock"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
@@ -115,7 +213,7 @@ def claim_block(lock_dir: Path, start: int, *, block: int = BLOCK) -> UidBlock:
             busy += 1
             continue
         try:
-            check_uids_free(base, block, used)
+            check_uids_free(base, size, used)
         except SandboxError:
             os.close(fd)  # a process outside codeenv's locks (or a dying jail) still runs there
             busy += 1
@@ -123,6 +221,12 @@ def claim_block(lock_dir: Path, start: int, *, block: int = BLOCK) -> UidBlock:
         with contextlib.suppress(OSError):  # who holds it, for a reader of the directory
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return UidBlock(base, path, fd)
-    raise SandboxError(f"no free block of host uids: all {blocks} blocks of {block} uids from {start} are "
-                       f"held ({busy} by live processes); stop a worker or lower CODEENV_UID_RANGE_START")
+        return UidBlock(base, path, fd, size)
+    if narrow == blocks:
+        raise SandboxError(
+            f"no block of {need} host uids from {start} is mapped in this user namespace (uid_map: "
+            f"{_uid_map_text()}): set CODEENV_UID_RANGE_START to where it maps {need} uids in a row below "
+            f"the overflow uid {overflow}, or lower CODEENV_SESSIONS_MAX (a pool needs {FAMILY_UIDS} + sessions_max)")
+    raise SandboxError(f"no free block of host uids: all {blocks - narrow} blocks of {block} uids from {start} that "
+                       f"this namespace maps are held ({busy} by live processes); stop a worker or lower "
+                       "CODEENV_UID_RANGE_START")
