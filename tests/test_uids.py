@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
+from codeenv.bench.services import Service, free_port
 from codeenv.errors import SandboxError
 from codeenv.sandbox.probe import diagnose, package_for
-from codeenv.sandbox.uids import LAST_UID, claim_block
+from codeenv.sandbox.uids import (
+    DEFAULT_RANGE_START,
+    LAST_UID,
+    check_uids_mapped,
+    claim_block,
+    mapped_uids,
+    range_start,
+)
+from codeenv.settings import SandboxSettings
 from tests.conftest import jail_env, start_service
 
 #: Far above the blocks real services claim, so that these tests never meet them.
@@ -83,6 +95,47 @@ def test_claims_that_cannot_succeed_say_why(tmp_path: Path) -> None:
         proc.wait()
 
 
+@pytest.mark.unit
+def test_the_uids_a_namespace_maps_are_read_from_its_uid_map(tmp_path: Path) -> None:
+    uid_map = tmp_path / "uid_map"
+    uid_map.write_text("         0          0 4294967295\n")  # the initial namespace
+    assert mapped_uids(uid_map) == [range(0, 2**32 - 1)]
+    uid_map.write_text("         1     100000      65536\n         0       1000          1\n")  # rootless podman
+    assert mapped_uids(uid_map) == [range(0, 65537)]
+    uid_map.write_text("0 2000000 65536\n100000 3000000 10\n")
+    assert mapped_uids(uid_map) == [range(0, 65536), range(100000, 100010)]
+
+
+@pytest.mark.unit
+def test_a_pods_user_namespace_gets_a_block_carved_out_of_its_own_uids(tmp_path: Path) -> None:
+    """Kubernetes' hostUsers: false maps 65,536 uids (0..65535): blocks come from its upper half,
+    narrower than 65,536 and below the overflow uid 65534."""
+    pod = [range(0, 65536)]
+    assert range_start(None, pod) == 32768
+    assert range_start(None, [range(0, 2**32 - 1)]) == DEFAULT_RANGE_START
+    assert range_start(40000, pod) == 40000  # CODEENV_UID_RANGE_START wins
+    block = claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+    try:
+        assert (block.base, block.size) == (32768, 65534 - 32768)
+        with pytest.raises(SandboxError, match=r"no free block of host uids: all 1 blocks .* held"):
+            claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+    finally:
+        block.release()
+    with pytest.raises(SandboxError, match=r"no block of 42048 host uids from 32768 is mapped in this user namespace "
+                                           r".*CODEENV_UID_RANGE_START.*CODEENV_SESSIONS_MAX"):
+        claim_block(tmp_path, 32768, need=2048 + 40000, mapped=pod)
+    small = claim_block(tmp_path, 60000, need=3000, mapped=pod)  # from CODEENV_UID_RANGE_START=60000
+    assert (small.base, small.size) == (60000, 5534)
+    small.release()
+
+
+@pytest.mark.unit
+def test_a_pinned_base_must_be_mapped_and_clear_of_the_overflow_uid() -> None:
+    check_uids_mapped(1_500_000_000, 3048)
+    with pytest.raises(SandboxError, match=r"host uids 64000..67047 are not all mapped .*overflow uid 65534"):
+        check_uids_mapped(64000, 3048)
+
+
 @pytest.mark.jail
 def test_a_block_a_live_process_runs_in_is_skipped(tmp_path: Path) -> None:
     # Not codeenv's lock, but a process of that uid (a jail of a worker outside the lock directory).
@@ -94,6 +147,75 @@ def test_a_block_a_live_process_runs_in_is_skipped(tmp_path: Path) -> None:
     finally:
         squatter.kill()
         squatter.wait()
+
+
+#: The host uids of the test's "pod" (its uids 0..65535), clear of the blocks real services claim.
+POD_UIDS = 3_100_000_000
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+
+
+def delegated_v1_cgroups(tag: str) -> list[Path]:
+    """New cgroups below this process's own, owned by the pod's root: what a runtime with writable
+    cgroups hands a pod (containerd's cgroup_writable)."""
+    own = {controllers: path for _, controllers, path in
+           (line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines())}
+    groups = []
+    for controller in V1_CONTROLLERS:
+        path = next((p for c, p in own.items() if controller in c.split(",")), None)
+        mount = Path("/sys/fs/cgroup", controller)
+        if path is None or not mount.is_dir():
+            continue
+        group = mount / path.lstrip("/") / tag
+        group.mkdir()
+        for entry in [group, *group.iterdir()]:
+            os.chown(entry, POD_UIDS, POD_UIDS)
+        groups.append(group)
+    return groups
+
+
+def remove_cgroups(groups: list[Path]) -> None:
+    for group in groups:
+        for child in sorted(group.glob("**/"), key=lambda d: len(d.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                child.rmdir()
+
+
+@pytest.mark.jail
+@pytest.mark.slow
+def test_a_worker_in_a_pods_user_namespace_runs_its_slots_on_uids_carved_out_of_it() -> None:
+    """deploy/k8s/worker.yaml's worker: root of a user namespace of 65,536 uids (hostUsers: false),
+    given its cgroup, with no uid settings at all."""
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        pytest.skip("the test hands the pod v1 cgroups; on cgroup v2 the container test covers it")
+    tag = f"codeenv-test-pod-{os.getpid()}"
+    groups = delegated_v1_cgroups(tag)
+    state = Path(tempfile.mkdtemp(prefix="codeenv-pod-"))
+    try:
+        state.chmod(0o755)
+        os.chown(state, POD_UIDS, POD_UIDS)
+        (state / "images").symlink_to(SandboxSettings().images_dir)  # the built image, read only
+        port = free_port()
+        argv = [sys.executable, str(Path(__file__).parent / "podns.py"), str(POD_UIDS), *map(str, groups), "--",
+                sys.executable, "-m", "codeenv.cli", "serve", "--slots", "1", "--port", str(port)]
+        env = jail_env(CODEENV_STATE_DIR=str(state), CODEENV_UID_LOCK_DIR=str(state / "locks"))
+        with Service("pod", argv, port=port, url=f"http://127.0.0.1:{port}", env=env,
+                     log=state.parent / f"{state.name}.log") as service:
+            service.start().wait_ready(120)
+            with httpx.Client(base_url=service.url, timeout=60) as http:
+                whoami, bomb = http.post("/v1/execute/batch", json={"requests": [
+                    {"code": "import os\nprint(os.getuid(), open('/proc/self/uid_map').read().split())"},
+                    {"code": "x = bytearray(900 << 20)", "limits": {"memory_mb": 256}},
+                ]}).json()["results"]
+                assert whoami["status"] == "ok", whoami
+                assert whoami["stdout"] == "1000 ['1000', '32768', '1']\n"  # slot 0: pod uid 32768
+                assert bomb["status"] == "memory", bomb  # the jail's cgroup holds inside the pod's
+                session = http.post("/v1/sessions", json={})
+                assert session.status_code == 501 and "cgroup v2" in session.json()["detail"], session.text
+        assert "host uids from 32768 " in (state.parent / f"{state.name}.log").read_text()
+    finally:
+        remove_cgroups(groups)
+        shutil.rmtree(state, ignore_errors=True)
+        (state.parent / f"{state.name}.log").unlink(missing_ok=True)
 
 
 # --- start failures --------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
+from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
 from codeenv.sandbox.zygote_proc import (
@@ -387,6 +388,12 @@ class SessionManager:
             # is what keeps them from its code, and there is none without the allowlist.
             raise SessionError("sessions need the seccomp allowlist (CODEENV_SECCOMP=allowlist) on x86_64 or "
                                "aarch64", 501)
+        if self.tree.version == 1 and in_user_namespace():
+            # A family's processes run as its own uid, and v1 lets only the host's root move another
+            # uid's process between cgroups: without its cgroup a family would run uncapped.
+            raise SessionError("sessions need cgroup v2 when the worker runs in a user namespace (a Kubernetes "
+                               "pod with hostUsers: false): on cgroup v1 only the host's root may move a "
+                               "session's processes into their cgroups", 501)
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell

@@ -60,8 +60,9 @@ def uids_needed(settings: SandboxSettings) -> int:
 def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
     """The uids this process's user namespace maps, in its own numbers, adjacent extents merged
     (the initial namespace: all of 0..2**32-2)."""
-    extents = sorted(range(int(inside), int(inside) + int(count))
-                     for inside, _outside, count in (line.split() for line in uid_map.read_text().splitlines()))
+    extents = sorted((range(int(inside), int(inside) + int(count))
+                      for inside, _outside, count in (line.split() for line in uid_map.read_text().splitlines())),
+                     key=lambda extent: extent.start)
     merged: list[range] = []
     for extent in extents:
         if merged and extent.start <= merged[-1].stop:
@@ -69,6 +70,11 @@ def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
         else:
             merged.append(extent)
     return merged
+
+
+def in_user_namespace() -> bool:
+    """Whether this process runs in a user namespace that maps fewer uids than the host has."""
+    return mapped_uids() != [range(0, LAST_UID + 1)]
 
 
 def overflow_uid() -> int:
@@ -181,15 +187,16 @@ def claim_for(settings: SandboxSettings) -> UidBlock:
     return claim_block(settings.uid_lock_dir, range_start(settings.uid_range_start), need=uids_needed(settings))
 
 
-def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK) -> UidBlock:
+def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK,
+                mapped: list[range] | None = None) -> UidBlock:
     """Claim the first block from `start` that no process holds a lock on and no live process uses,
-    of which this user namespace maps at least `need` uids.
+    of which this user namespace (or `mapped`) maps at least `need` uids.
 
     SandboxError when every block is taken or too narrow, or the directory cannot be used.
     """
     _lock_dir(lock_dir)
     used = uids_in_use()
-    mapped, overflow = mapped_uids(), overflow_uid()
+    mapped, overflow = mapped_uids() if mapped is None else mapped, overflow_uid()
     blocks = max(0, (LAST_UID + 1 - start) // block)
     busy = narrow = 0
     for i in range(blocks):

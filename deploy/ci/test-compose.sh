@@ -17,6 +17,7 @@ BASE=docker.io/library/debian:trixie-slim
 export CODEENV_IMAGE_TAG=localhost/codeenv:latest
 export CONTAINERS_CONF="$ROOT/deploy/ci/containers.conf"
 export CODEENV_CI_PORT="${CODEENV_CI_PORT:-28000}" CODEENV_CI_REDIS_PORT="${CODEENV_CI_REDIS_PORT:-26379}"
+K8S_PORT="${CODEENV_CI_K8S_PORT:-28001}" K8S_WORKER=codeenv-ci-k8s-worker K8S_UIDS=1800000000
 export CODEENV_TOKEN="ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 export CODEENV_REDIS_PASSWORD="ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 say() { printf '\n== %s (%ss)\n' "$*" "$(( $(date +%s) - started ))"; }
@@ -38,12 +39,13 @@ leftovers() {
     podman volume ls -q --filter "name=^${PROJECT}_"
 }
 clean() {
+    podman rm -f -t 5 "$K8S_WORKER" >/dev/null 2>&1 || true
     compose down -v --remove-orphans >/dev/null 2>&1 || true
     podman ps -a -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman rm -f -t 40 >/dev/null 2>&1 || true
     podman pod ls -q --filter "name=$PROJECT" | xargs -r podman pod rm -f >/dev/null 2>&1 || true
     podman volume ls -q --filter "name=^${PROJECT}_" | xargs -r podman volume rm -f >/dev/null 2>&1 || true
 }
-trap 'status=$?; if [ $status -ne 0 ]; then for c in $(podman ps -a --format "{{.Names}}" --filter "label=io.podman.compose.project=$PROJECT"); do echo "--- logs of $c"; podman logs --tail 30 "$c" 2>&1; done; fi; clean' EXIT
+trap 'status=$?; if [ $status -ne 0 ]; then podman exec "$K8S_WORKER" tail -30 /tmp/serve.log 2>/dev/null; for c in $(podman ps -a --format "{{.Names}}" --filter "label=io.podman.compose.project=$PROJECT"); do echo "--- logs of $c"; podman logs --tail 30 "$c" 2>&1; done; fi; clean' EXIT
 clean
 
 if podman image exists "$BASE"; then
@@ -74,6 +76,32 @@ out=$(podman run --rm --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL --se
     -e CODEENV_UID_BASE=1700100000 -v "$CI_DIR/least.py:/least.py:ro" "$CODEENV_IMAGE_TAG" run /least.py 2>/dev/null)
 grep -q '"stdout": "True\\n"' <<<"$out" || { echo "$out"; echo "FAIL: codeenv run with the least privileges"; exit 1; }
 echo "ok   a jail runs without --privileged"
+
+say "the Kubernetes worker's privileges: its own user namespace of 65,536 uids, /proc unmasked, the same capabilities"
+# deploy/k8s/worker.yaml as podman can say it: hostUsers: false (--uidmap), procMount: Unmasked,
+# the four capabilities, no seccomp or AppArmor profile in the way.
+podman run -d --name "$K8S_WORKER" --uidmap "0:$K8S_UIDS:65536" --gidmap "0:$K8S_UIDS:65536" \
+    --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL --security-opt 'unmask=/proc/*' \
+    -p "127.0.0.1:$K8S_PORT:8000" -e CODEENV_TOKEN --entrypoint /bin/sleep "$CODEENV_IMAGE_TAG" infinity >/dev/null
+# What the RuntimeClass's handler does (containerd's cgroup_writable, CRI-O's annotation): the
+# container's own cgroups belong to its root. podman cannot be asked to, so it is done here.
+pid=$(podman inspect -f '{{.State.Pid}}' "$K8S_WORKER")
+while IFS=: read -r _ controllers path; do
+    if [ -z "$controllers" ] && [ -e /sys/fs/cgroup/cgroup.controllers ]; then
+        dir="/sys/fs/cgroup$path"  # cgroup v2
+    elif grep -qwE 'memory|pids|cpu|cpuacct' <<<"${controllers//,/ }"; then
+        dir="/sys/fs/cgroup/$controllers$path"
+    else
+        continue
+    fi
+    chown -R "$K8S_UIDS:$K8S_UIDS" "$dir"
+done < "/proc/$pid/cgroup"
+podman exec -d "$K8S_WORKER" sh -c 'exec /usr/local/bin/codeenv-entrypoint serve --host 0.0.0.0 >/tmp/serve.log 2>&1'
+"$VENV/bin/python" deploy/ci/check_stack.py basics "http://127.0.0.1:$K8S_PORT"
+podman exec "$K8S_WORKER" grep -q 'host uids from 32768 ' /tmp/serve.log \
+    || { echo "FAIL: the slots' uids were not carved out of the container's namespace"; exit 1; }
+echo "ok   the hostile basics pass in a user namespace, on uids carved out of it (32768 up)"
+podman rm -f -t 5 "$K8S_WORKER" >/dev/null
 
 say "up: redis, gateway, 1 worker"
 compose up -d --no-build >/dev/null 2>&1
