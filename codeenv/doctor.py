@@ -52,7 +52,7 @@ from codeenv.sandbox.sizing import (
     socket_memory_limit,
     tcp_pressure_bytes,
 )
-from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, uids_needed
+from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, in_user_namespace, uids_needed
 from codeenv.settings import SandboxSettings
 
 #: The namespaces every jail is made of (jail.py sets each clone_new* flag).
@@ -358,7 +358,8 @@ def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | N
         report.add("slot uids", Level.fail, str(exc))
         return None
     block.release()
-    report.add("slot uids", Level.ok, f"a free block from host uid {block.base} ({block.size} uids; locks in "
+    where = " of this process's own user namespace (as in a pod)" if in_user_namespace() else ""
+    report.add("slot uids", Level.ok, f"a free block from host uid {block.base}{where} ({block.size} uids; locks in "
                                       f"{settings.uid_lock_dir})")
     return block.base
 

@@ -24,6 +24,7 @@ from codeenv.sandbox.uids import (
     LAST_UID,
     check_uids_mapped,
     claim_block,
+    claim_for,
     mapped_uids,
     range_start,
 )
@@ -132,8 +133,13 @@ def test_a_pods_user_namespace_gets_a_block_carved_out_of_its_own_uids(tmp_path:
 @pytest.mark.unit
 def test_a_pinned_base_must_be_mapped_and_clear_of_the_overflow_uid() -> None:
     check_uids_mapped(1_500_000_000, 3048)
-    with pytest.raises(SandboxError, match=r"host uids 64000..67047 are not all mapped .*overflow uid 65534"):
-        check_uids_mapped(64000, 3048)
+    with pytest.raises(SandboxError, match=r"host uids 200000..203047 are not all mapped .*overflow uid"):
+        check_uids_mapped(200_000, 3048, mapped=[range(0, 201_000)])
+    with pytest.raises(SandboxError, match=r"CODEENV_UID_BASE=64000 would run jails as uids that login and system "
+                                           r"users have on this host: use 100,000 or more"):
+        check_uids_mapped(64000, 3048)  # on a host; in a pod's namespace the check is the mapping's
+    with pytest.raises(SandboxError, match=r"CODEENV_UID_RANGE_START=5000 would run jails"):
+        claim_for(SandboxSettings(uid_range_start=5000))
 
 
 @pytest.mark.jail

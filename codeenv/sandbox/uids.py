@@ -46,6 +46,9 @@ BLOCK = 1 << 16
 LAST_UID = 2**32 - 2
 #: Where blocks start by default: far above login users, system users and subuid ranges.
 DEFAULT_RANGE_START = 1_500_000_000
+#: The lowest uid a jail may run as on a host (in the initial user namespace): below it live login
+#: and system users, whose processes could signal or trace a jail's, and the other way round.
+HOST_MIN_UID = 100_000
 #: A block's layout from its base: slots at 0..1023, session jails' roots (one per profile) from
 #: SESSION_ROOT_UIDS, session families (one uid each, up to sessions_max) from FAMILY_UIDS.
 SESSION_ROOT_UIDS = 1024
@@ -151,9 +154,19 @@ def uids_in_use() -> dict[int, int]:
     return used
 
 
-def check_uids_mapped(uid_base: int, count: int) -> None:
-    """SandboxError when this user namespace does not map all of ``uid_base .. uid_base + count - 1``."""
-    if mapped_run(uid_base, mapped_uids(), overflow_uid()) < count:
+def check_low_uids(first: int, setting: str) -> None:
+    """SandboxError for uids below `HOST_MIN_UID` on a host (a pod's own namespace may use them)."""
+    if first < HOST_MIN_UID and not in_user_namespace():
+        raise SandboxError(f"{setting}={first} would run jails as uids that login and system users have on this "
+                           f"host: use {HOST_MIN_UID:,} or more (uids below are for a worker in a user namespace "
+                           "of its own, such as a Kubernetes pod's)")
+
+
+def check_uids_mapped(uid_base: int, count: int, *, mapped: list[range] | None = None) -> None:
+    """SandboxError when this user namespace does not map all of ``uid_base .. uid_base + count - 1``
+    (or when they are a host's users' uids: `check_low_uids`)."""
+    check_low_uids(uid_base, "CODEENV_UID_BASE")
+    if mapped_run(uid_base, mapped_uids() if mapped is None else mapped, overflow_uid()) < count:
         raise SandboxError(
             f"host uids {uid_base}..{uid_base + count - 1} are not all mapped in this user namespace "
             f"(uid_map: {_uid_map_text()}; the overflow uid {overflow_uid()} cannot be used): set "
@@ -184,6 +197,8 @@ def _lock_dir(directory: Path) -> None:
 def claim_for(settings: SandboxSettings) -> UidBlock:
     """The block a pool of these settings runs in: `claim_block` from `range_start`, wide enough
     for `uids_needed`."""
+    if settings.uid_range_start is not None:
+        check_low_uids(settings.uid_range_start, "CODEENV_UID_RANGE_START")
     return claim_block(settings.uid_lock_dir, range_start(settings.uid_range_start), need=uids_needed(settings))
 
 

@@ -38,14 +38,21 @@ leftovers() {
     podman network ls -q --filter "name=^${PROJECT}_"
     podman volume ls -q --filter "name=^${PROJECT}_"
 }
+remove_k8s_worker() {  # its jails' mount namespaces can keep its shm busy for a moment after it ends
+    for _ in 1 2 3 4 5; do
+        podman container exists "$K8S_WORKER" || return 0
+        podman rm -f -t 10 "$K8S_WORKER" >/dev/null 2>&1 || sleep 2
+    done
+    ! podman container exists "$K8S_WORKER" || { echo "FAIL: cannot remove $K8S_WORKER"; return 1; }
+}
 clean() {
-    podman rm -f -t 5 "$K8S_WORKER" >/dev/null 2>&1 || true
+    remove_k8s_worker || true
     compose down -v --remove-orphans >/dev/null 2>&1 || true
     podman ps -a -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman rm -f -t 40 >/dev/null 2>&1 || true
     podman pod ls -q --filter "name=$PROJECT" | xargs -r podman pod rm -f >/dev/null 2>&1 || true
     podman volume ls -q --filter "name=^${PROJECT}_" | xargs -r podman volume rm -f >/dev/null 2>&1 || true
 }
-trap 'status=$?; if [ $status -ne 0 ]; then podman exec "$K8S_WORKER" tail -30 /tmp/serve.log 2>/dev/null; for c in $(podman ps -a --format "{{.Names}}" --filter "label=io.podman.compose.project=$PROJECT"); do echo "--- logs of $c"; podman logs --tail 30 "$c" 2>&1; done; fi; clean' EXIT
+trap 'status=$?; if [ $status -ne 0 ]; then podman logs --tail 30 "$K8S_WORKER" 2>/dev/null; for c in $(podman ps -a --format "{{.Names}}" --filter "label=io.podman.compose.project=$PROJECT"); do echo "--- logs of $c"; podman logs --tail 30 "$c" 2>&1; done; fi; clean' EXIT
 clean
 
 if podman image exists "$BASE"; then
@@ -80,9 +87,11 @@ echo "ok   a jail runs without --privileged"
 say "the Kubernetes worker's privileges: its own user namespace of 65,536 uids, /proc unmasked, the same capabilities"
 # deploy/k8s/worker.yaml as podman can say it: hostUsers: false (--uidmap), procMount: Unmasked,
 # the four capabilities, no seccomp or AppArmor profile in the way.
+# It starts the service once its cgroups are handed over (below).
 podman run -d --name "$K8S_WORKER" --uidmap "0:$K8S_UIDS:65536" --gidmap "0:$K8S_UIDS:65536" \
     --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL --security-opt 'unmask=/proc/*' \
-    -p "127.0.0.1:$K8S_PORT:8000" -e CODEENV_TOKEN --entrypoint /bin/sleep "$CODEENV_IMAGE_TAG" infinity >/dev/null
+    -p "127.0.0.1:$K8S_PORT:8000" -e CODEENV_TOKEN --entrypoint /bin/sh "$CODEENV_IMAGE_TAG" \
+    -c 'until [ -e /tmp/go ]; do sleep 0.1; done; exec /usr/local/bin/codeenv-entrypoint serve --host 0.0.0.0' >/dev/null
 # What the RuntimeClass's handler does (containerd's cgroup_writable, CRI-O's annotation): the
 # container's own cgroups belong to its root. podman cannot be asked to, so it is done here.
 pid=$(podman inspect -f '{{.State.Pid}}' "$K8S_WORKER")
@@ -96,12 +105,13 @@ while IFS=: read -r _ controllers path; do
     fi
     chown -R "$K8S_UIDS:$K8S_UIDS" "$dir"
 done < "/proc/$pid/cgroup"
-podman exec -d "$K8S_WORKER" sh -c 'exec /usr/local/bin/codeenv-entrypoint serve --host 0.0.0.0 >/tmp/serve.log 2>&1'
+podman exec "$K8S_WORKER" touch /tmp/go
 "$VENV/bin/python" deploy/ci/check_stack.py basics "http://127.0.0.1:$K8S_PORT"
-podman exec "$K8S_WORKER" grep -q 'host uids from 32768 ' /tmp/serve.log \
+podman logs "$K8S_WORKER" 2>&1 | grep -q 'host uids from 32768 ' \
     || { echo "FAIL: the slots' uids were not carved out of the container's namespace"; exit 1; }
 echo "ok   the hostile basics pass in a user namespace, on uids carved out of it (32768 up)"
-podman rm -f -t 5 "$K8S_WORKER" >/dev/null
+podman stop -t 30 "$K8S_WORKER" >/dev/null
+remove_k8s_worker
 
 say "up: redis, gateway, 1 worker"
 compose up -d --no-build >/dev/null 2>&1
