@@ -5,13 +5,18 @@ set -euo pipefail
 source "$(dirname "$0")/../../scripts/bootstrap.sh"
 cd "$ROOT"
 CI_DIR="${CODEENV_CI_DIR:-/var/tmp/codeenv-ci}"
-K8S_VERSION="${CODEENV_K8S_VERSION:-1.30.0}"
+# 1.30: the oldest that can run the worker (feature gate); 1.33: user namespaces on by default.
+K8S_VERSIONS="${CODEENV_K8S_VERSIONS:-1.30.0 1.33.0}"
 bootstrap
 if [ ! -x "$CI_DIR/tools/bin/kubernetes-validate" ]; then
     [ -x "$CI_DIR/tools/bin/pip" ] || { mkdir -p "$CI_DIR"; "$VENV/bin/python" -m venv "$CI_DIR/tools"; }
     "$CI_DIR/tools/bin/pip" install -q --disable-pip-version-check "kubernetes-validate>=1.30"
 fi
-validate() { "$CI_DIR/tools/bin/kubernetes-validate" --strict --quiet -k "$K8S_VERSION" "$@"; }
+validate() {
+    for version in $K8S_VERSIONS; do
+        "$CI_DIR/tools/bin/kubernetes-validate" --strict --quiet -k "$version" "$@" || return 1
+    done
+}
 
 manifests=()
 for f in deploy/k8s/*.yaml; do
@@ -27,4 +32,4 @@ sed 's/readinessProbe:/readinesProbe:/' deploy/k8s/gateway.yaml > "$bad"
 if validate "$bad" >/dev/null 2>&1; then
     echo "FAIL: kubernetes-validate accepted a misspelt field"; exit 1
 fi
-echo "ok   ${#manifests[@]} Kubernetes manifests valid against the $K8S_VERSION schemas (strict, offline)"
+echo "ok   ${#manifests[@]} Kubernetes manifests valid against the schemas of Kubernetes $K8S_VERSIONS (strict, offline)"
