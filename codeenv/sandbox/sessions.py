@@ -106,10 +106,8 @@ class Family:
                 except ProcessLookupError:
                     break
                 except OSError as exc:
-                    raise SandboxError(
-                        f"cannot move a session's process into its cgroup {procs.parent} ({exc.strerror}): on "
-                        "cgroup v1 only real root may move another uid's process, so sessions need a worker "
-                        "outside a user namespace there, or cgroup v2") from exc
+                    raise SandboxError(f"cannot move a session's process into its cgroup {procs.parent} "
+                                       f"({exc.strerror}); it would run without its limits") from exc
 
     def remove_cgroups(self) -> None:
         for group in (self.cell, self.main, self.cgroup):  # children first

@@ -15,8 +15,8 @@ through a volume (docs/deploy.md). A block is ``BLOCK`` uids wide: the most slot
 with room for per-session uids.
 
 ``CODEENV_UID_BASE`` overrides all this: the pool then runs at that base and claims nothing (and
-still refuses uids that a live process holds, or that this user namespace does not map:
-`check_uids_free`).
+still refuses uids that a live process holds, `check_uids_free`, or that this user namespace does
+not map, `check_uids_mapped`).
 
 "Host uid" means a uid of the user namespace the worker runs in. On a host that is the initial
 namespace, whose uids are all mapped. In a Kubernetes pod with ``hostUsers: false`` it is the pod's
