@@ -256,6 +256,11 @@ def test_jail_logs_are_read_for_their_cause(tmp_path: Path) -> None:
     assert "refused to create the jail's namespaces" in cause(userns)
     uidmap = "[E][2026-12-03T06:55:13+0000][9] writeToFd():120 write('/proc/9/uid_map') failed: Invalid argument"
     assert "map host uid 1500000000" in cause(uidmap)
+    masked = ("[W][2026-12-03T16:20:01+0000][1] mountFs():241 mount('none' -> '/tmp/nsjail.0.root//proc'): RW "
+              "failed, falling back to RO\n[E][2026-12-03T16:20:01+0000][1] mountFs():255 mount('none' -> "
+              "'/tmp/nsjail.0.root//proc', flags:MS_RDONLY, type:'proc') failed: Operation not permitted")
+    assert cause(masked).startswith("the kernel refused the jail a /proc of its own")
+    assert "procMount: Unmasked" in cause(masked)
     broken = "Fatal Python error: init_fs_encoding: failed to get the Python codec of the filesystem encoding"
     assert cause(broken).startswith(f"the sandbox image python-math-0 at {tmp_path / 'img'} is broken")
     gone = Image("python-math-0", tmp_path / "gone", "0" * 64, spec, "3.12.1")
