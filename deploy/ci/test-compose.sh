@@ -83,6 +83,11 @@ out=$(podman run --rm --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL --se
     -e CODEENV_UID_BASE=1700100000 -v "$CI_DIR/least.py:/least.py:ro" "$CODEENV_IMAGE_TAG" run /least.py 2>/dev/null)
 grep -q '"stdout": "True\\n"' <<<"$out" || { echo "$out"; echo "FAIL: codeenv run with the least privileges"; exit 1; }
 echo "ok   a jail runs without --privileged"
+out=$(podman run --rm --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL -e CODEENV_UID_BASE=1700100000 \
+    -v "$CI_DIR/least.py:/least.py:ro" "$CODEENV_IMAGE_TAG" run /least.py 2>&1 || true)
+grep -q 'refused the jail a /proc of its own.*unmask=/proc/\*' <<<"$out" \
+    || { echo "$out"; echo "FAIL: a masked /proc is not named as the cause"; exit 1; }
+echo "ok   with /proc masked, the one line says so and what to set"
 
 say "the Kubernetes worker's privileges: its own user namespace of 65,536 uids, /proc unmasked, the same capabilities"
 # deploy/k8s/worker.yaml as podman can say it: hostUsers: false (--uidmap), procMount: Unmasked,
