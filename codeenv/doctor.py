@@ -52,7 +52,14 @@ from codeenv.sandbox.sizing import (
     socket_memory_limit,
     tcp_pressure_bytes,
 )
-from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, in_user_namespace, uids_needed
+from codeenv.sandbox.uids import (
+    check_uids_free,
+    check_uids_mapped,
+    check_user_namespace,
+    claim_for,
+    in_user_namespace,
+    uids_needed,
+)
 from codeenv.settings import SandboxSettings
 
 #: The namespaces every jail is made of (jail.py sets each clone_new* flag).
@@ -342,6 +349,11 @@ def check_core_pattern(report: Report) -> None:
 
 def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | None:
     """The host uids a pool would run its slots as (claimed and released again), or None."""
+    try:
+        check_user_namespace(settings)
+    except SandboxError as exc:
+        report.add("slot uids", Level.fail, str(exc))
+        return None
     if settings.uid_base is not None:
         try:
             check_uids_mapped(settings.uid_base, uids_needed(settings))

@@ -60,6 +60,12 @@ class SandboxSettings(BaseSettings):
                     "1,500,000,000, or in a user namespace that does not map it (a Kubernetes pod with "
                     "hostUsers: false) the upper half of the uids it maps",
     )
+    require_user_namespace: bool = Field(
+        False,
+        description="refuse to start jails unless this process runs in a user namespace of its own (the Kubernetes "
+                    "worker sets it: an API server without user namespaces drops hostUsers: false, and the pod "
+                    "would hold the node's own capabilities)",
+    )
     uid_lock_dir: Path = Field(
         Path("/run/codeenv/uid-blocks"),
         description="host-wide directory of uid block locks; every process starting jails on the host must share it",
@@ -116,6 +122,12 @@ class SandboxSettings(BaseSettings):
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")
     kill_grace_s: float = Field(2, gt=0, description="slack after the wall limit before the worker acts")
+
+    @field_validator("uid_base", "uid_range_start", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        # CODEENV_UID_RANGE_START= (compose's ${VAR:-} when the variable is not set) means "unset".
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("caps", "defaults", mode="before")
     @classmethod

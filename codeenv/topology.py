@@ -89,10 +89,17 @@ def prepare_jails(settings: SandboxSettings, progress: Progress | None = None) -
     from codeenv.sandbox.pool import nsjail_binary
     from codeenv.sandbox.probe import probe_jail
     from codeenv.sandbox.sizing import preflight
-    from codeenv.sandbox.uids import check_uids_free, check_uids_mapped, claim_for, uids_needed
+    from codeenv.sandbox.uids import (
+        check_uids_free,
+        check_uids_mapped,
+        check_user_namespace,
+        claim_for,
+        uids_needed,
+    )
 
     image = ensure_image(settings, progress=progress)
     preflight(settings, image.spec)
+    check_user_namespace(settings)
     if settings.uid_base is not None:
         check_uids_mapped(settings.uid_base, uids_needed(settings))
         check_uids_free(settings.uid_base, settings.slots)

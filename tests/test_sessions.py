@@ -16,9 +16,9 @@ from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.api import create_app
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
-from codeenv.errors import SessionError
+from codeenv.errors import SandboxError, SessionError
 from codeenv.queue.redis import RedisQueue
-from codeenv.sandbox.sessions import Session, SessionManager
+from codeenv.sandbox.sessions import Family, Session, SessionManager
 from codeenv.sandbox.uids import uids_in_use
 from codeenv.settings import GatewaySettings
 from tests.conftest import SharedPoolQueue, serving, until
@@ -456,6 +456,36 @@ async def test_a_cell_that_kills_its_session_loses_only_its_own_family(pool: Slo
         assert (await cell(pool, other, "x")).value == "'other'"
     finally:
         for sid in (s.id, other.id):
+            if sid in m.sessions:
+                await m.delete(sid)
+
+
+async def test_a_cell_the_kernel_will_not_keep_in_its_cgroup_ends_its_family(
+        pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell must not run without its own limits (on cgroup v1 in a user namespace the kernel
+    refuses such moves): it is stopped, and its family ends, saying why."""
+    m = manager(pool)
+    s = await m.create("light")
+    fork = await m.fork(s.id)
+    try:
+        await cell(pool, s, "x = 1")
+        move = Family.move
+
+        def refuse_cell(family: Family, pids: Any, to: Any) -> None:
+            if to is family.cell and pids:
+                raise SandboxError("cannot move a session's process into its cgroup (Permission denied)")
+            move(family, pids, to)
+
+        monkeypatch.setattr(Family, "move", refuse_cell)
+        result = await cell(pool, s, "import time\ntime.sleep(30)")
+        assert result.status == "session_lost" and result.wall_s < 10, result
+        assert "could not be kept in its cgroup" in (result.message or "") and "Permission denied" in result.message
+        monkeypatch.undo()
+        assert (await cell(pool, s, "x")).status == "session_lost"
+        assert (await cell(pool, fork, "x")).status == "session_lost"  # the whole family
+        await gone(m, s)
+    finally:
+        for sid in (s.id, fork.id):
             if sid in m.sessions:
                 await m.delete(sid)
 

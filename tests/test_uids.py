@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -23,8 +24,10 @@ from codeenv.sandbox.uids import (
     DEFAULT_RANGE_START,
     LAST_UID,
     check_uids_mapped,
+    check_user_namespace,
     claim_block,
     claim_for,
+    in_user_namespace,
     mapped_uids,
     range_start,
 )
@@ -108,38 +111,56 @@ def test_the_uids_a_namespace_maps_are_read_from_its_uid_map(tmp_path: Path) -> 
 
 
 @pytest.mark.unit
-def test_a_pods_user_namespace_gets_a_block_carved_out_of_its_own_uids(tmp_path: Path) -> None:
-    """Kubernetes' hostUsers: false maps 65,536 uids (0..65535): blocks come from its upper half,
-    narrower than 65,536 and below the overflow uid 65534."""
+def test_a_pods_user_namespace_gets_blocks_carved_out_of_its_own_uids(tmp_path: Path) -> None:
+    """Kubernetes' hostUsers: false maps 65,536 uids (0..65535): blocks come from its upper half, in
+    whole chunks of 1,024 uids, below the overflow uid 65534, so that a worker, `codeenv doctor`
+    and `codeenv run` in one pod each get uids of their own, whatever each needs."""
     pod = [range(0, 65536)]
     assert range_start(None, pod) == 32768
     assert range_start(None, [range(0, 2**32 - 1)]) == DEFAULT_RANGE_START
     assert range_start(40000, pod) == 40000  # CODEENV_UID_RANGE_START wins
-    block = claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+    worker = claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+    doctor = claim_block(tmp_path, 32768, need=2048 + 5000, mapped=pod)
+    run = claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+    blocks = [worker, doctor, run]
     try:
-        assert (block.base, block.size) == (32768, 65534 - 32768)
-        with pytest.raises(SandboxError, match=r"no free block of host uids: all 1 blocks .* held"):
-            claim_block(tmp_path, 32768, need=2048 + 1000, mapped=pod)
+        assert [(b.base, b.size) for b in blocks] == [(32768, 3072), (35840, 7168), (43008, 3072)]
+        with pytest.raises(SandboxError, match=r"no free block of host uids: all 5 blocks of 28672 uids from 32768 "
+                                               r".* held \(5 by other codeenv processes' locks"):
+            claim_block(tmp_path, 32768, need=28000, mapped=pod)  # each place it could go overlaps one
+        worker.release()
+        assert claim_block(tmp_path, 32768, need=3000, mapped=pod).base == 32768  # freed chunks are reused
     finally:
-        block.release()
+        for block in blocks:
+            block.release()
     with pytest.raises(SandboxError, match=r"no block of 42048 host uids from 32768 is mapped in this user namespace "
                                            r".*CODEENV_UID_RANGE_START.*CODEENV_SESSIONS_MAX"):
         claim_block(tmp_path, 32768, need=2048 + 40000, mapped=pod)
-    small = claim_block(tmp_path, 60000, need=3000, mapped=pod)  # from CODEENV_UID_RANGE_START=60000
-    assert (small.base, small.size) == (60000, 5534)
+    small = claim_block(tmp_path, 63000, need=2000, mapped=pod)  # from CODEENV_UID_RANGE_START=63000
+    assert (small.base, small.size) == (63000, 2048)
     small.release()
+    edge = claim_block(tmp_path, 63000, need=2534, mapped=pod)  # the last uid before the overflow uid
+    assert (edge.base, edge.size) == (63000, 2534)
+    edge.release()
 
 
 @pytest.mark.unit
 def test_a_pinned_base_must_be_mapped_and_clear_of_the_overflow_uid() -> None:
+    if in_user_namespace():
+        pytest.skip("checks what a host refuses; this test runs in a user namespace")
     check_uids_mapped(1_500_000_000, 3048)
-    with pytest.raises(SandboxError, match=r"host uids 200000..203047 are not all mapped .*overflow uid"):
+    with pytest.raises(SandboxError, match=r"host uids 200000..203047 are not all mapped .*overflow id"):
         check_uids_mapped(200_000, 3048, mapped=[range(0, 201_000)])
     with pytest.raises(SandboxError, match=r"CODEENV_UID_BASE=64000 would run jails as uids that login and system "
                                            r"users have on this host: use 100,000 or more"):
         check_uids_mapped(64000, 3048)  # on a host; in a pod's namespace the check is the mapping's
     with pytest.raises(SandboxError, match=r"CODEENV_UID_RANGE_START=5000 would run jails"):
         claim_for(SandboxSettings(uid_range_start=5000))
+    # The Kubernetes worker's guard against an API server that dropped hostUsers: false.
+    check_user_namespace(SandboxSettings())
+    with pytest.raises(SandboxError, match=r"CODEENV_REQUIRE_USER_NAMESPACE is set, but this worker runs in the "
+                                           r"host's user namespace.*UserNamespacesSupport"):
+        check_user_namespace(SandboxSettings(require_user_namespace=True))
 
 
 @pytest.mark.jail
@@ -160,29 +181,36 @@ POD_UIDS = 3_100_000_000
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 
 
-def delegated_v1_cgroups(tag: str) -> list[Path]:
-    """New cgroups below this process's own, owned by the pod's root: what a runtime with writable
-    cgroups hands a pod (containerd's cgroup_writable)."""
+def delegate_v1_cgroups(tag: str, groups: list[Path]) -> None:
+    """New cgroups below this process's own, owned by the pod's root, added to `groups`: what a
+    runtime with writable cgroups hands a pod (containerd's cgroup_writable)."""
     own = {controllers: path for _, controllers, path in
            (line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines())}
-    groups = []
     for controller in V1_CONTROLLERS:
         path = next((p for c, p in own.items() if controller in c.split(",")), None)
         mount = Path("/sys/fs/cgroup", controller)
         if path is None or not mount.is_dir():
             continue
         group = mount / path.lstrip("/") / tag
+        if any(group.resolve() == made.resolve() for made in groups):
+            continue  # cpu and cpuacct mounted as one hierarchy (cpu,cpuacct)
         group.mkdir()
+        groups.append(group)
         for entry in [group, *group.iterdir()]:
             os.chown(entry, POD_UIDS, POD_UIDS)
-        groups.append(group)
-    return groups
 
 
 def remove_cgroups(groups: list[Path]) -> None:
+    """Kill what is left in them (the pod's processes, had its helper been killed), then remove them."""
     for group in groups:
         for child in sorted(group.glob("**/"), key=lambda d: len(d.parts), reverse=True):
+            with contextlib.suppress(OSError, ValueError):
+                for pid in (child / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
             with contextlib.suppress(OSError):
+                until_empty = time.monotonic() + 10
+                while (child / "cgroup.procs").read_text().strip() and time.monotonic() < until_empty:
+                    time.sleep(0.05)
                 child.rmdir()
 
 
@@ -193,17 +221,20 @@ def test_a_worker_in_a_pods_user_namespace_runs_its_slots_on_uids_carved_out_of_
     given its cgroup, with no uid settings at all."""
     if Path("/sys/fs/cgroup/cgroup.controllers").exists():
         pytest.skip("the test hands the pod v1 cgroups; on cgroup v2 the container test covers it")
-    tag = f"codeenv-test-pod-{os.getpid()}"
-    groups = delegated_v1_cgroups(tag)
+    groups: list[Path] = []
     state = Path(tempfile.mkdtemp(prefix="codeenv-pod-"))
     try:
+        delegate_v1_cgroups(f"codeenv-test-pod-{os.getpid()}", groups)
         state.chmod(0o755)
         os.chown(state, POD_UIDS, POD_UIDS)
         (state / "images").symlink_to(SandboxSettings().images_dir)  # the built image, read only
         port = free_port()
-        argv = [sys.executable, str(Path(__file__).parent / "podns.py"), str(POD_UIDS), *map(str, groups), "--",
+        (state / "scratch").mkdir()
+        argv = [sys.executable, str(Path(__file__).parent / "podns.py"), str(POD_UIDS), str(state / "scratch"),
+                *map(str, groups), "--",
                 sys.executable, "-m", "codeenv.cli", "serve", "--slots", "1", "--port", str(port)]
-        env = jail_env(CODEENV_STATE_DIR=str(state), CODEENV_UID_LOCK_DIR=str(state / "locks"))
+        env = jail_env(CODEENV_STATE_DIR=str(state), CODEENV_UID_LOCK_DIR=str(state / "locks"),
+                       CODEENV_REQUIRE_USER_NAMESPACE="true")  # as deploy/k8s/worker.yaml sets it
         with Service("pod", argv, port=port, url=f"http://127.0.0.1:{port}", env=env,
                      log=state.parent / f"{state.name}.log") as service:
             service.start().wait_ready(120)

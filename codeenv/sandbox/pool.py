@@ -45,6 +45,7 @@ from codeenv.sandbox.uids import (
     UidBlock,
     check_uids_free,
     check_uids_mapped,
+    check_user_namespace,
     claim_for,
     uids_needed,
 )
@@ -187,6 +188,7 @@ class SlotPool:
         try:
             plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
+            check_user_namespace(settings)
             if settings.uid_base is None:
                 self._uids = await asyncio.to_thread(claim_for, settings)
                 self.uid_base = self._uids.base

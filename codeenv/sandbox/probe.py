@@ -101,8 +101,9 @@ def diagnose(text: str, nsjail: Path, image: Image, host_uid: int) -> str:
     if proc := next((e for e in errors if re.search(r"mount\(.*/proc'", e)), None):
         return (f"the kernel refused the jail a /proc of its own ({_short(proc)}): it does so while the "
                 "container's /proc has masked paths; run the worker with /proc unmasked (podman: --security-opt "
-                "unmask=/proc/*; Docker: --security-opt systempaths=unconfined; Kubernetes: procMount: Unmasked, "
-                "which needs hostUsers: false and, before 1.33, the ProcMountType feature gate; docs/deploy.md)")
+                "unmask=/proc/*; Docker: --security-opt systempaths=unconfined; Kubernetes: procMount: Unmasked "
+                "with hostUsers: false, and before 1.33 the UserNamespacesSupport and ProcMountType feature "
+                "gates), and with no AppArmor profile that forbids mount (docs/deploy.md)")
     if "mount" in joined or "mkdir(" in joined:
         line = next(e for e in errors if "mount" in e or "mkdir(" in e)
         return (f"nsjail could not build the jail's file system ({_short(line)}): if the sandbox image at "

@@ -673,6 +673,7 @@ class SessionManager:
         cpu0 = cg.cpu_usage_ns()
         before = set(family.main.procs())  # the family's processes before the cell's
         stopping = False
+        unconfined: str | None = None  # why a process of the cell could not be kept in `cell`
 
         def stop() -> None:
             nonlocal stopping
@@ -723,11 +724,9 @@ class SessionManager:
                         family.move(started, cell)
                         for pid in started:  # over the family's cap too, the cell's go first
                             _oom_score(pid, b"1000")
-                    except SandboxError as exc:  # without its own limits the cell must not run
-                        logger.error("%s", exc)
+                    except (SandboxError, OSError, ValueError) as exc:  # without its limits it must not run
+                        unconfined = str(exc)
                         stop()
-                    except (OSError, ValueError):
-                        pass
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
@@ -736,10 +735,19 @@ class SessionManager:
             peak = cell.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            with contextlib.suppress(SandboxError):  # a kept cell's process is the session now
+            try:  # a kept cell's process is the session now
                 family.move(cell.procs(), family.main)
+            except SandboxError as exc:
+                unconfined = unconfined or str(exc)
         cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
+        if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
+            why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
+            logger.error("session %s: %s", session.id, why)
+            await self._end_family(family, why)
+            result = classify(out, limits)
+            result.status, result.message = Status.session_lost, f"the session has ended: {why}"
+            return result
         if done is None or done.get("lost"):
             why = "the cell outlived its limits and its session could not be rolled back" if done is None \
                 else "its process ended during the cell and there was nothing to roll back to"

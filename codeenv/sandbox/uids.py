@@ -31,7 +31,7 @@ import contextlib
 import errno
 import fcntl
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 BLOCK = 1 << 16
 #: The highest host uid a jail may be mapped to (2**32 - 1 is "no uid").
 LAST_UID = 2**32 - 2
+#: In a namespace too narrow for a block (a pod's), blocks are whole chunks of this many uids.
+CHUNK = 1024
 #: Where blocks start by default: far above login users, system users and subuid ranges.
 DEFAULT_RANGE_START = 1_500_000_000
 #: The lowest uid a jail may run as on a host (in the initial user namespace): below it live login
@@ -75,26 +77,35 @@ def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
     return merged
 
 
+def mapped_ids() -> list[range]:
+    """The ids this process's user namespace maps both as uids and as gids (a slot runs as uid and
+    gid ``base + i``)."""
+    uids, gids = mapped_uids(), mapped_uids(Path("/proc/self/gid_map"))
+    both = [range(max(u.start, g.start), min(u.stop, g.stop)) for u in uids for g in gids]
+    return sorted((extent for extent in both if extent), key=lambda extent: extent.start)
+
+
 def in_user_namespace() -> bool:
     """Whether this process runs in a user namespace that maps fewer uids than the host has."""
     return mapped_uids() != [range(0, LAST_UID + 1)]
 
 
-def overflow_uid() -> int:
-    """The uid that stands for an owner this namespace cannot map (65534 unless changed)."""
-    try:
-        return int(Path("/proc/sys/kernel/overflowuid").read_text())
-    except (OSError, ValueError):
-        return 65534
+def overflow_ids() -> tuple[int, ...]:
+    """The uid and gid that stand for an owner this namespace cannot map (65534 unless changed)."""
+    ids = []
+    for name in ("overflowuid", "overflowgid"):
+        try:
+            ids.append(int(Path("/proc/sys/kernel", name).read_text()))
+        except (OSError, ValueError):
+            ids.append(65534)
+    return tuple(ids)
 
 
-def mapped_run(base: int, mapped: list[range], overflow: int) -> int:
-    """How many uids from `base` on are mapped, one after another, before the overflow uid."""
+def mapped_run(base: int, mapped: list[range], overflow: tuple[int, ...]) -> int:
+    """How many ids from `base` on are mapped, one after another, before an overflow id."""
     for extent in mapped:
         if base in extent:
-            stop = min(extent.stop, LAST_UID + 1)
-            if base <= overflow < stop:
-                stop = overflow
+            stop = min([extent.stop, LAST_UID + 1, *(o for o in overflow if o >= base)])
             return max(0, stop - base)
     return 0
 
@@ -104,18 +115,22 @@ def range_start(configured: int | None, mapped: list[range] | None = None) -> in
     maps it, else (a pod's 65,536 uids) the upper half of the namespace's largest extent of uids."""
     if configured is not None:
         return configured
-    mapped = mapped_uids() if mapped is None else mapped
+    mapped = mapped_ids() if mapped is None else mapped
     if any(DEFAULT_RANGE_START in extent for extent in mapped) or not mapped:
         return DEFAULT_RANGE_START
     largest = max(mapped, key=len)
     return largest.start + len(largest) // 2
 
 
-def _uid_map_text() -> str:
-    try:
-        return "; ".join(" ".join(line.split()) for line in Path("/proc/self/uid_map").read_text().splitlines())
-    except OSError:
-        return "unreadable"
+def _maps_text() -> str:
+    texts = []
+    for name in ("uid_map", "gid_map"):
+        try:
+            lines = Path("/proc/self", name).read_text().splitlines()
+            texts.append(f"{name}: " + "; ".join(" ".join(line.split()) for line in lines))
+        except OSError:
+            texts.append(f"{name}: unreadable")
+    return ", ".join(texts)
 
 
 @dataclass
@@ -127,8 +142,13 @@ class UidBlock:
     fd: int | None
     #: Uids from `base` that the pool may use: ``BLOCK``, or fewer where this namespace maps fewer.
     size: int = BLOCK
+    #: The locks of the block's other chunks (a narrow namespace's blocks are chunks: `claim_block`).
+    more: list[int] = field(default_factory=list)
 
     def release(self) -> None:
+        for fd in self.more:
+            os.close(fd)
+        self.more = []
         if self.fd is not None:
             os.close(self.fd)  # closing the only descriptor of the open file drops the flock
             self.fd = None
@@ -154,6 +174,14 @@ def uids_in_use() -> dict[int, int]:
     return used
 
 
+def check_user_namespace(settings: SandboxSettings) -> None:
+    """SandboxError when CODEENV_REQUIRE_USER_NAMESPACE is set and this process is in none."""
+    if settings.require_user_namespace and not in_user_namespace():
+        raise SandboxError("CODEENV_REQUIRE_USER_NAMESPACE is set, but this worker runs in the host's user namespace, "
+                           "with the host's capabilities: in Kubernetes, hostUsers: false was dropped (enable the "
+                           "UserNamespacesSupport feature gate, or run Kubernetes 1.33 or later); elsewhere unset it")
+
+
 def check_low_uids(first: int, setting: str) -> None:
     """SandboxError for uids below `HOST_MIN_UID` on a host (a pod's own namespace may use them)."""
     if first < HOST_MIN_UID and not in_user_namespace():
@@ -166,11 +194,11 @@ def check_uids_mapped(uid_base: int, count: int, *, mapped: list[range] | None =
     """SandboxError when this user namespace does not map all of ``uid_base .. uid_base + count - 1``
     (or when they are a host's users' uids: `check_low_uids`)."""
     check_low_uids(uid_base, "CODEENV_UID_BASE")
-    if mapped_run(uid_base, mapped_uids() if mapped is None else mapped, overflow_uid()) < count:
+    if mapped_run(uid_base, mapped_ids() if mapped is None else mapped, overflow_ids()) < count:
         raise SandboxError(
             f"host uids {uid_base}..{uid_base + count - 1} are not all mapped in this user namespace "
-            f"(uid_map: {_uid_map_text()}; the overflow uid {overflow_uid()} cannot be used): set "
-            "CODEENV_UID_BASE to mapped uids, or unset it to have a block carved out of them"
+            f"({_maps_text()}; the overflow id {overflow_ids()[0]} cannot be used): set CODEENV_UID_BASE to "
+            "mapped uids, or unset it to have a block carved out of them"
         )
 
 
@@ -202,53 +230,90 @@ def claim_for(settings: SandboxSettings) -> UidBlock:
     return claim_block(settings.uid_lock_dir, range_start(settings.uid_range_start), need=uids_needed(settings))
 
 
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on `path`, or None when another process holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise SandboxError(f"cannot open the uid lock {path}: {exc.strerror}; set CODEENV_UID_LOCK_DIR "
+                           "to a writable directory that every worker on this host shares") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise SandboxError(f"cannot lock the uid lock {path}: {exc.strerror}") from exc
+        return None
+    return fd
+
+
+def _lock_all(paths: list[Path]) -> list[int] | None:
+    """Locks on all of `paths`, or None (and none held) when another process holds one."""
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fd = _try_lock(path)
+            if fd is None:
+                break
+            fds.append(fd)
+        else:
+            return fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
 def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK,
                 mapped: list[range] | None = None) -> UidBlock:
     """Claim the first block from `start` that no process holds a lock on and no live process uses,
     of which this user namespace (or `mapped`) maps at least `need` uids.
 
+    Where the namespace maps fewer than `block` uids from `start` (a pod's 65,536), blocks are whole
+    `CHUNK`s instead, `need` rounded up, each chunk with a lock of its own: so a worker, `codeenv
+    doctor` and `codeenv run` in one pod each get uids of their own, whatever `need` each has.
+
     SandboxError when every block is taken or too narrow, or the directory cannot be used.
     """
     _lock_dir(lock_dir)
     used = uids_in_use()
-    mapped, overflow = mapped_uids() if mapped is None else mapped, overflow_uid()
-    blocks = max(0, (LAST_UID + 1 - start) // block)
-    busy = narrow = 0
-    for i in range(blocks):
-        base = start + i * block
-        size = min(block, mapped_run(base, mapped, overflow))
-        if size < need:
-            narrow += 1
-            continue
-        path = lock_dir / f"uid-block-{base}.lock"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise SandboxError(f"cannot open the uid lock {path}: {exc.strerror}; set CODEENV_UID_LOCK_DIR "
-                               "to a writable directory that every worker on this host shares") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise SandboxError(f"cannot lock the uid lock {path}: {exc.strerror}") from exc
-            busy += 1
+    mapped, overflow = mapped_ids() if mapped is None else mapped, overflow_ids()
+    run = mapped_run(start, mapped, overflow)
+    if run < block:
+        stride = CHUNK
+        width = -(-need // CHUNK) * CHUNK
+        candidates = [(base, min(width, start + run - base)) for base in range(start, start + run - need + 1, CHUNK)]
+    else:
+        stride = width = block
+        candidates = [(base, min(block, mapped_run(base, mapped, overflow)))
+                      for base in range(start, LAST_UID + 2 - block, block)]
+        candidates = [(base, size) for base, size in candidates if size >= need]
+    if not candidates:
+        raise SandboxError(
+            f"no block of {need} host uids from {start} is mapped in this user namespace ({_maps_text()}): set "
+            f"CODEENV_UID_RANGE_START to where it maps {need} uids and gids in a row below the overflow id "
+            f"{overflow[0]}, or lower CODEENV_SESSIONS_MAX (a pool needs {FAMILY_UIDS} + sessions_max)")
+    locked = live = 0
+    for base, size in candidates:
+        paths = [lock_dir / f"uid-block-{chunk}.lock" for chunk in range(base, base + size, stride)]
+        fds = _lock_all(paths)
+        if fds is None:
+            locked += 1
             continue
         try:
             check_uids_free(base, size, used)
         except SandboxError:
-            os.close(fd)  # a process outside codeenv's locks (or a dying jail) still runs there
-            busy += 1
+            for fd in fds:  # a process outside codeenv's locks (or a dying jail) still runs there
+                os.close(fd)
+            live += 1
             continue
         with contextlib.suppress(OSError):  # who holds it, for a reader of the directory
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return UidBlock(base, path, fd, size)
-    if narrow == blocks:
-        raise SandboxError(
-            f"no block of {need} host uids from {start} is mapped in this user namespace (uid_map: "
-            f"{_uid_map_text()}): set CODEENV_UID_RANGE_START to where it maps {need} uids in a row below "
-            f"the overflow uid {overflow}, or lower CODEENV_SESSIONS_MAX (a pool needs {FAMILY_UIDS} + sessions_max)")
-    raise SandboxError(f"no free block of host uids: all {blocks - narrow} blocks of {block} uids from {start} that "
-                       f"this namespace maps are held ({busy} by live processes); stop a worker or lower "
-                       "CODEENV_UID_RANGE_START")
+            os.ftruncate(fds[0], 0)
+            os.pwrite(fds[0], f"{os.getpid()}\n".encode(), 0)
+        return UidBlock(base, paths[0], fds[0], size, fds[1:])
+    raise SandboxError(f"no free block of host uids: all {len(candidates)} blocks of {width} uids from {start} that "
+                       f"this namespace maps are held ({locked} by other codeenv processes' locks, {live} by live "
+                       "processes outside them); stop a worker or lower CODEENV_UID_RANGE_START")

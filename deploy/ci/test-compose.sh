@@ -95,7 +95,8 @@ say "the Kubernetes worker's privileges: its own user namespace of 65,536 uids, 
 # It starts the service once its cgroups are handed over (below).
 podman run -d --name "$K8S_WORKER" --uidmap "0:$K8S_UIDS:65536" --gidmap "0:$K8S_UIDS:65536" \
     --cap-drop=all --cap-add=SYS_ADMIN,SETUID,SETGID,KILL --security-opt 'unmask=/proc/*' \
-    -p "127.0.0.1:$K8S_PORT:8000" -e CODEENV_TOKEN --entrypoint /bin/sh "$CODEENV_IMAGE_TAG" \
+    -p "127.0.0.1:$K8S_PORT:8000" -e CODEENV_TOKEN -e CODEENV_REQUIRE_USER_NAMESPACE=true \
+    --entrypoint /bin/sh "$CODEENV_IMAGE_TAG" \
     -c 'until [ -e /tmp/go ]; do sleep 0.1; done; exec /usr/local/bin/codeenv-entrypoint serve --host 0.0.0.0' >/dev/null
 # What the RuntimeClass's handler does (containerd's cgroup_writable, CRI-O's annotation): the
 # container's own cgroups belong to its root. podman cannot be asked to, so it is done here.
@@ -108,6 +109,7 @@ while IFS=: read -r _ controllers path; do
     else
         continue
     fi
+    [ "$path" != / ] || { echo "FAIL: the container's $controllers cgroup is its hierarchy's root"; exit 1; }
     chown -R "$K8S_UIDS:$K8S_UIDS" "$dir"
 done < "/proc/$pid/cgroup"
 podman exec "$K8S_WORKER" touch /tmp/go
