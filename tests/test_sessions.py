@@ -4,8 +4,10 @@ isolation between sessions and between a session and a call. Real jails, real pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,17 @@ def manager(pool: SlotPool) -> SessionManager:
     return pool.sessions
 
 
+@contextlib.asynccontextmanager
+async def new_session(m: SessionManager, profile: str) -> AsyncIterator[Session]:
+    """A session of `profile`, deleted afterwards unless the test ended it."""
+    s = await m.create(profile)
+    try:
+        yield s
+    finally:
+        if s.id in m.sessions:
+            await m.delete(s.id)
+
+
 async def cell(pool: SlotPool, session: Session | str, code: str, **limits: Any) -> ExecResult:
     sid = session if isinstance(session, str) else session.id
     return await pool.run(ExecRequest(code=code, session=sid, limits=limits, display_last=True))
@@ -53,8 +66,7 @@ async def gone(m: SessionManager, session: Session) -> None:
 
 async def test_state_persists_and_values_come_back(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("math")
-    try:
+    async with new_session(m, "math") as s:
         first = await cell(pool, s, "import math\nx = 41\ndef f(n):\n    return n + x")
         assert first.status == "ok" and first.value is None and first.execution_count == 1
         second = await cell(pool, s, "x += 1\nf(0)")
@@ -70,27 +82,21 @@ async def test_state_persists_and_values_come_back(pool: SlotPool) -> None:
         drawn = await cell(pool, s, "random.random(), numpy.random.random()")
         fresh = await cell(pool, s, "random.Random(1).random(), numpy.random.RandomState(1).random()")
         assert drawn.value == fresh.value
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_session_lives_through_more_cells_than_the_recursion_limit(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         limit = int((await cell(pool, s, "import sys\nn = 0\nsys.getrecursionlimit()")).value or "")
         for _ in range(limit + 100):
             result = await cell(pool, s, "n += 1")
             assert result.status == "ok", result
         assert (await cell(pool, s, "n")).value == str(limit + 100)
-    finally:
-        await m.delete(s.id)
 
 
 async def test_an_exception_keeps_the_effects_before_it(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         failed = await cell(pool, s, "y = 1\nprint('before')\n1 / 0\ny = 2")
         assert failed.status == "error" and not failed.rolled_back
         assert failed.error is not None and failed.error.type == "ZeroDivisionError" and failed.error.line == 3
@@ -100,8 +106,6 @@ async def test_an_exception_keeps_the_effects_before_it(pool: SlotPool) -> None:
         exited = await cell(pool, s, "y = 5\nraise SystemExit(3)")
         assert exited.status == "error" and exited.exit_code == 3 and not exited.rolled_back
         assert (await cell(pool, s, "y")).value == "5"
-    finally:
-        await m.delete(s.id)
 
 
 ROLLBACK_STATE = """
@@ -129,8 +133,7 @@ n = 0
 async def test_a_cell_stopped_by_a_limit_is_rolled_back(pool: SlotPool, stop: str, limits: dict[str, Any],
                                                         status: str) -> None:
     m = manager(pool)
-    s = await m.create("math")
-    try:
+    async with new_session(m, "math") as s:
         assert (await cell(pool, s, ROLLBACK_STATE)).status == "ok"
         stopped = await cell(pool, s, stop, **limits)
         assert stopped.status == status, stopped
@@ -139,14 +142,11 @@ async def test_a_cell_stopped_by_a_limit_is_rolled_back(pool: SlotPool, stop: st
         assert after.status == "ok", after
         assert after.value == "(0, 2, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])"
         assert not after.rolled_back and after.execution_count == 3
-    finally:
-        await m.delete(s.id)
 
 
 async def test_files_a_rolled_back_cell_wrote_are_listed_and_remain(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         await cell(pool, s, "open('before.txt', 'w').write('1')")
         stopped = await cell(pool, s, "import os\nos.mkdir('d')\nopen('d/new.txt', 'w').write('2')\nwhile True: pass",
                              cpu_s=0.5)
@@ -154,8 +154,6 @@ async def test_files_a_rolled_back_cell_wrote_are_listed_and_remain(pool: SlotPo
         assert sorted(stopped.written_files or []) == ["d", "d/new.txt"]
         listing = await cell(pool, s, "import os\nsorted(os.listdir('.')), open('d/new.txt').read()")
         assert listing.value == "(['before.txt', 'd'], '2')"
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_fork_diverges_from_its_parent(pool: SlotPool) -> None:
@@ -180,8 +178,7 @@ async def test_a_fork_diverges_from_its_parent(pool: SlotPool) -> None:
 
 async def test_a_deleted_fork_leaves_no_process_in_its_family(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         forks = [await m.fork(s.id) for _ in range(3)]
         for f in forks:
             assert (await cell(pool, f, "1 + 1")).value == "2"
@@ -191,27 +188,21 @@ async def test_a_deleted_fork_leaves_no_process_in_its_family(pool: SlotPool) ->
                                    "for p in os.listdir('/proc') if p.isdigit())")
         states = eval(seen.value or "")
         assert len(states) == 3 and "Z" not in states, seen
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_fork_asked_for_while_a_cell_runs_waits_for_it(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         running = asyncio.create_task(cell(pool, s, "import time\ntime.sleep(0.5)\nstate = 'after the cell'"))
         await asyncio.sleep(0.1)
         child = await m.fork(s.id)
         assert (await running).status == "ok"
         assert (await cell(pool, child, "state")).value == "'after the cell'"
-    finally:
-        await m.delete(s.id)
 
 
 async def test_cells_of_one_session_run_one_at_a_time_in_arrival_order(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         await cell(pool, s, "log = []")
         code = "import time\nlog.append(('start', {i}))\ntime.sleep(0.1)\nlog.append(('end', {i}))"
         results = await asyncio.gather(*(cell(pool, s, code.format(i=i)) for i in range(4)))
@@ -219,14 +210,11 @@ async def test_cells_of_one_session_run_one_at_a_time_in_arrival_order(pool: Slo
         log = json.loads((await cell(pool, s, "import json\nprint(json.dumps(log))")).stdout)
         assert log == [[kind, i] for i in range(4) for kind in ("start", "end")]
         assert sorted(r.execution_count or 0 for r in results) == [2, 3, 4, 5]
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_retried_cell_id_runs_once(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         await cell(pool, s, "n = 0")
         request = ExecRequest(code="import time\ntime.sleep(0.2)\nn += 1\nn", session=s.id, cell_id="c-1",
                               display_last=True)
@@ -235,8 +223,6 @@ async def test_a_retried_cell_id_runs_once(pool: SlotPool) -> None:
         assert first.value == second.value == third.value == "1"
         assert first.execution_count == second.execution_count == 2
         assert (await cell(pool, s, "n")).value == "1"
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_lock_held_by_a_background_thread_does_not_deadlock_later_cells(pool: SlotPool) -> None:
@@ -399,8 +385,7 @@ seen
 
 async def test_a_session_and_a_call_cannot_reach_each_other(pool: SlotPool) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         setup = await cell(pool, s, "import socket, os\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 45679))\n"
                                     "srv.listen()\nos.getuid()")
         assert setup.status == "ok"
@@ -414,8 +399,6 @@ print(sorted(os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdi
 """, profile="light"))
         assert call.stdout.splitlines()[0] == "ConnectionRefusedError"
         assert str(setup.value) not in call.stdout.splitlines()[1]
-    finally:
-        await m.delete(s.id)
 
 
 @pytest.mark.parametrize("code, status", [
@@ -426,8 +409,7 @@ print(sorted(os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdi
 ])
 async def test_a_session_cannot_use_what_set_up_its_family(pool: SlotPool, code: str, status: str) -> None:
     m = manager(pool)
-    s = await m.create("light")
-    try:
+    async with new_session(m, "light") as s:
         await cell(pool, s, "x = 1")
         result = await cell(pool, s, code)
         assert result.status == status, result
@@ -435,8 +417,6 @@ async def test_a_session_cannot_use_what_set_up_its_family(pool: SlotPool, code:
             assert result.error is not None and "Errno 38" in result.error.message  # ENOSYS, as in a call
         after = await cell(pool, s, "x")
         assert after.value == "1"
-    finally:
-        await m.delete(s.id)
 
 
 async def test_a_cell_that_kills_its_session_loses_only_its_own_family(pool: SlotPool) -> None:

@@ -719,16 +719,33 @@ def _test_child(fds, msg, main, compiled, mode, fn_name):
     _hard_exit(_finalize(status))
 
 
+def _next_message(sock):
+    """The next message on `sock` and the fds that came with it; the process exits (0) when the
+    other end has closed it."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
+    except OSError:
+        _hard_exit(0)
+    if not data:
+        _hard_exit(0)
+    return data, fds
+
+
+def _next_request(sock):
+    """`_next_message` as a JSON object ({} for anything else) and its fds."""
+    data, fds = _next_message(sock)
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        msg = None
+    return (msg if isinstance(msg, dict) else {}), fds
+
+
 def _serve_tests(sock, main, compiled, mode, fn_name):
     """Fork a child per test the worker sends; answer "done" once every process of it is gone and
     the work dir is as it was (never returns)."""
     while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
-        except OSError:
-            _hard_exit(0)
-        if not data:
-            _hard_exit(0)  # the worker is done with this submission
+        data, fds = _next_message(sock)  # none: the worker is done with this submission
         msg = json.loads(data)
         if msg.get("op") != "test" or len(fds) != 6:
             for fd in fds:
@@ -954,17 +971,8 @@ def _session_loop(ch, main):
     A cell's process that ends by itself, and a fork, carry on in this same loop (no call nests: a
     session lives through any number of cells)."""
     while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(ch, MAX_MSG, 16)
-        except OSError:
-            _hard_exit(0)
-        if not data:
-            _hard_exit(0)  # the supervisor is gone
-        try:
-            msg = json.loads(data)
-        except ValueError:
-            msg = {}
-        op = msg.get("op") if isinstance(msg, dict) else None
+        msg, fds = _next_request(ch)  # none: the supervisor is gone
+        op = msg.get("op")
         if op == "cell" and len(fds) == 7:
             _reap_children()  # only the cell's process may be our child while it runs
             state = _random_state()
@@ -1194,16 +1202,9 @@ class _Family:
     def __init__(self, sock):
         self.sock = sock
         self.sessions = {}
-        self.unsettled = False
 
     def session_pids(self):
         return {pid for pid, _ in self.sessions.values()}
-
-    def settle(self):
-        """After a kept cell's reply: until no process but the sessions' is left."""
-        if self.unsettled:
-            self.unsettled = False
-            self.kill_others(self.session_pids())
 
     def kill_others(self, keep, once=False):
         """SIGKILL every process of the family but the supervisor and `keep` (again, until a look at
@@ -1220,12 +1221,9 @@ class _Family:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            self.reap()
+            _reap_children()
             if attempt:
                 time.sleep(0.001)
-
-    def reap(self):
-        _reap_children()
 
     def new_session(self, sid, make):
         """A session process: `make(ch_fd)` runs in a child (forked here or by a session) and says
@@ -1358,9 +1356,8 @@ class _Family:
             self.sessions[sid] = (cell_pid, ours)
             # SIGKILL to the pre-cell process and what the cell left: none of them runs an instruction
             # more. Making sure none is left (one may have forked meanwhile) waits until the reply is
-            # sent (`settle`, before the next message).
+            # sent (the supervisor's loop, before the next message).
             self.kill_others(self.session_pids(), once=True)
-            self.unsettled = True
             return reply
         # Stopped by a limit, or it ended the interpreter: everything of the cell goes, the
         # pre-cell process is the session again.
@@ -1417,7 +1414,7 @@ class _Family:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.reap()
+        _reap_children()
         for _, other in self.sessions.values():  # its parent may be one of them: it reaps it
             try:
                 other.send(b'{"op":"reap"}')
@@ -1513,31 +1510,21 @@ def _family_supervisor(sock, msg):
     _send(sock, {"op": "ready", "ok": True, "sid": 0})
     while True:
         ready, _, _ = select.select([sock], [], [], 1.0)
-        family.reap()
+        _reap_children()
         if not ready:
             continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 16)
-        except OSError:
-            _hard_exit(0)
-        if not data:
-            _hard_exit(0)  # the worker is done with this family: the kernel ends every process of it
-        try:
-            msg = json.loads(data)
-        except ValueError:
-            msg = {}
-        op = msg.get("op") if isinstance(msg, dict) else None
+        msg, fds = _next_request(sock)  # none: the worker is done with this family (the kernel ends it)
+        op = msg.get("op")
         if op == "cell":
-            _send(sock, family.cell(msg, fds))
-            family.settle()
+            reply = family.cell(msg, fds)
+            _send(sock, reply)
+            if reply.get("kept"):  # after the reply: until no process but the sessions' is left
+                family.kill_others(family.session_pids())
             continue
         for fd in fds:
             os.close(fd)
         if op == "fork":
-            reply = family.fork(msg)
-            if reply["ok"]:
-                os.chmod(_session_dir(msg["new_sid"]), 0o700) if os.path.isdir(_session_dir(msg["new_sid"])) else None
-            _send(sock, reply)
+            _send(sock, family.fork(msg))
         elif op == "close":
             family.end(msg.get("sid"))
             _send(sock, {"op": "closed", "sid": msg.get("sid")})
@@ -1941,8 +1928,7 @@ def main():
     baseline = _baseline = _workdir_usage()
     st = os.stat(_config["workdir"])
     _workdir_times = (st.st_atime_ns, st.st_mtime_ns)
-    if not _config.get("sessions"):
-        _make_spare()
+    _make_spare()  # none in a session jail (no prefork)
     _send(ctl, {"op": "hello", "spare": _spare_child is not None,
                 "preload_s": time.monotonic() - t0, "preload_errors": errors,
                 "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge})
