@@ -40,6 +40,7 @@ from rich.console import Console
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.bench.services import free_port, start_codeenv
 from codeenv.client import AsyncClient
+from codeenv.sandbox.sizing import meminfo_bytes
 
 console = Console()
 
@@ -153,11 +154,10 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 
 def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    available = meminfo_bytes("MemAvailable")
+    if available is None:
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return available
 
 
 async def idle(args: argparse.Namespace) -> dict[str, Any]:

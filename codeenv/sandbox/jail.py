@@ -8,6 +8,7 @@ child; what is set here bounds the long-lived zygote itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import platform
 from pathlib import Path
@@ -150,7 +151,12 @@ def family_filter_hex(settings: SandboxSettings) -> str:
     """The filter each family's supervisor stacks once it has set the family up."""
     if settings.seccomp == "legacy" or NATIVE_ARCH is None:
         return ""
-    return seccomp.family_filter(NATIVE_ARCH).hex()
+    return _family_filter_hex(NATIVE_ARCH)
+
+
+@functools.cache
+def _family_filter_hex(arch: int) -> str:
+    return seccomp.family_filter(arch).hex()
 
 
 def session_jail_config(

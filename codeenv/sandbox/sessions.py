@@ -47,6 +47,7 @@ from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
+from codeenv.sandbox.sizing import meminfo_bytes
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
@@ -58,6 +59,7 @@ from codeenv.sandbox.zygote_proc import (
     _message,
     collect,
     receive,
+    write_oom_score,
 )
 from codeenv.settings import SandboxSettings
 
@@ -144,15 +146,6 @@ class Session:
                 "idle_ttl_s": self.idle_ttl_s}
 
 
-def _oom_score(pid: int, score: bytes) -> None:
-    with contextlib.suppress(OSError):  # gone already
-        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
-        try:
-            os.write(fd, score)
-        finally:
-            os.close(fd)
-
-
 def _pidfd_pid(pidfd: int) -> int:
     """The pid (in our namespace) of the process a pidfd refers to."""
     with open(f"/proc/self/fdinfo/{pidfd}") as f:
@@ -163,11 +156,8 @@ def _pidfd_pid(pidfd: int) -> int:
 
 
 def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    return 1 << 62
+    available = meminfo_bytes("MemAvailable")
+    return 1 << 62 if available is None else available
 
 
 class SessionJail(ZygoteProcess):
@@ -461,7 +451,7 @@ class SessionManager:
             await self._ask(family, {"op": "go"}, "ready", s.control_timeout_s + s.zygote_start_timeout_s / 10)
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
-            _oom_score(host_pid, b"-1000")
+            write_oom_score(host_pid, b"-1000")
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
             if isinstance(exc, Exception) and not isinstance(exc, (SessionError, SandboxError)):
@@ -723,7 +713,7 @@ class SessionManager:
                         started = set(family.main.procs()) - before
                         family.move(started, cell)
                         for pid in started:  # over the family's cap too, the cell's go first
-                            _oom_score(pid, b"1000")
+                            write_oom_score(pid, b"1000")
                     except (SandboxError, OSError, ValueError) as exc:  # without its limits it must not run
                         unconfined = str(exc)
                         stop()

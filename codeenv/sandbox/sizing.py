@@ -87,11 +87,19 @@ def cgroup_memory_limit(layout: CgroupLayout) -> tuple[int, Path] | None:
     return lowest
 
 
-def host_memory_mb(meminfo: Path = MEMINFO) -> int:
+def meminfo_bytes(field: str, meminfo: Path = MEMINFO) -> int | None:
+    """A field of /proc/meminfo in bytes, or None where the kernel gives none."""
     for line in meminfo.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) >> 10
-    raise SandboxError(f"no MemTotal in {meminfo}")
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) << 10
+    return None
+
+
+def host_memory_mb(meminfo: Path = MEMINFO) -> int:
+    total = meminfo_bytes("MemTotal", meminfo)
+    if total is None:
+        raise SandboxError(f"no MemTotal in {meminfo}")
+    return total >> 20
 
 
 def memory_allowance(layout: CgroupLayout | None, meminfo: Path = MEMINFO) -> MemoryAllowance:

@@ -903,9 +903,15 @@ WRITTEN_MAX = 100
 
 
 def _libc():
-    import ctypes
+    global _libc_handle
+    if _libc_handle is None:
+        import ctypes
 
-    return ctypes.CDLL(None, use_errno=True)
+        _libc_handle = ctypes.CDLL(None, use_errno=True)
+    return _libc_handle
+
+
+_libc_handle = None
 
 
 def _mount(source, target, fstype, flags, data):

@@ -559,16 +559,7 @@ class ZygoteProcess:
             keep = {self.zygote_pid, self.proc.pid if self.proc is not None else 0}
             pids = [pid for pid in self.cgroup.procs() if pid not in keep]
         for pid in pids:
-            try:
-                fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
-            except OSError:  # gone already
-                continue
-            try:
-                os.write(fd, b"1000")
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            write_oom_score(pid, b"1000")
 
     def _workdir_usage(self) -> tuple[int, int] | None:
         if self._workdir_fd is None:
@@ -826,6 +817,20 @@ async def collect(out: Outcome, call: _CallFiles, drains: list[_Drain], report_b
     setup = _read_report(call.setup, REPORT_BYTES)
     if setup is not None:
         out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
+
+
+def write_oom_score(pid: int, score: bytes) -> None:
+    """Set a process's oom_score_adj from outside (nothing if it is gone already)."""
+    try:
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.write(fd, score)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 async def receive(sock: socket.socket, wall_s: float, cpu_ns: int | None, cpu0: int | None,
