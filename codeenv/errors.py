@@ -96,9 +96,20 @@ class SessionError(CodeenvError):
         self.status = status
 
 
+#: How the messages of two refused calls begin and end: the gateway answers them 404 and 409
+#: (api.service.conflict_status), not 422.
+NO_SESSION = "no session "
+ID_TAKEN = "already names a different call; use a new id"
+
+
 def session_not_found(session_id: str) -> SessionError:
-    return SessionError(f"no session {session_id[:80]!r}: it never existed here (create one with POST /v1/sessions)",
+    return SessionError(f"{NO_SESSION}{session_id[:80]!r}: it never existed here (create one with POST /v1/sessions)",
                         404)
+
+
+def id_taken(call_id: str | None) -> str:
+    """The message of a call whose client id already names a different call."""
+    return f"id {call_id!r} {ID_TAKEN}"
 
 
 def session_lost(session_id: str, why: str) -> SessionError:

@@ -166,3 +166,14 @@ def test_verdicts() -> None:
     # Junk in the report never breaks classification.
     r = classify(_outcome(1 << 8, report={"error": {"type": ["x"], "line": "7", "message": None}}), lim)
     assert r.status == "error" and r.error is not None and r.error.line is None
+
+
+def test_an_embedded_queue_takes_session_cells_before_its_pool_has_started() -> None:
+    """The native routes ask when they are made, before the pool has started and made its sessions."""
+    from codeenv.api.service import sessions_of, sessions_supported
+    from codeenv.queue.embedded import EmbeddedQueue
+    from codeenv.sandbox.pool import SlotPool
+
+    queue = EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8)
+    assert sessions_supported(queue) and sessions_of(queue) is None
+    assert not sessions_supported(object())

@@ -61,8 +61,9 @@ class Guard:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            routed = self.json_route is not None and self.json_route(scope["method"], scope["path"])
-            if scope["method"] == "POST" and (scope["path"] in self.json_paths or routed):
+            listed = scope["path"] in self.json_paths
+            routed = not listed and self.json_route is not None and self.json_route(scope["method"], scope["path"])
+            if scope["method"] == "POST" and (listed or routed):
                 media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
                 # A route with ids in its path (a session's) also takes no body at all, as {}.
                 empty_ok = routed and not media and headers.get(b"content-length", b"0") == b"0"

@@ -17,9 +17,10 @@ from pydantic import BaseModel, ValidationError
 
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
-from codeenv.errors import ApiError, InvalidRequest
+from codeenv.errors import ID_TAKEN, NO_SESSION, ApiError, InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import CallQueue
+from codeenv.sandbox.sessions import SessionManager
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger("codeenv.api")
@@ -45,8 +46,15 @@ def body_schema(model: str, required: bool = True) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
 
 
+def sessions_of(queue: object) -> SessionManager | None:
+    """The sessions of the queue's pool (embedded mode), or None where it runs none."""
+    manager = getattr(getattr(queue, "pool", None), "sessions", None)
+    return manager if isinstance(manager, SessionManager) else None
+
+
 def sessions_supported(queue: object) -> bool:
-    """Whether the queue's pool runs sessions (embedded mode)."""
+    """Whether the queue has a pool, which runs sessions: asked when the routes are made, before the
+    pool has started (and made its `SessionManager`, `sessions_of`)."""
     return getattr(getattr(queue, "pool", None), "sessions", False) is not False
 
 
@@ -54,9 +62,9 @@ def conflict_status(result: ExecResult) -> int:
     """The HTTP status of a refused call: 404 for a session that never existed, 409 for an id that
     names another call, 422 for the rest."""
     message = result.message or ""
-    if message.startswith("no session"):
+    if message.startswith(NO_SESSION):
         return 404
-    if "already names a different call" in message:
+    if message.endswith(ID_TAKEN):
         return 409
     return 422
 

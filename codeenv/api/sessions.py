@@ -15,7 +15,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from codeenv.admission import resolve_limits
-from codeenv.api.service import NATIVE_STATUS, NO_SESSIONS, Gateway, body_schema, conflict_status, parse, refusal
+from codeenv.api.service import (
+    NATIVE_STATUS,
+    NO_SESSIONS,
+    Gateway,
+    body_schema,
+    conflict_status,
+    parse,
+    refusal,
+    sessions_of,
+)
 from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
 from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
 from codeenv.sandbox.sessions import SessionManager
@@ -38,9 +47,8 @@ def is_json_route(method: str, path: str) -> bool:
 
 def session_manager(gateway: Gateway) -> SessionManager:
     """The sessions of the pool behind this gateway; ApiError 501 if its queue has none."""
-    pool = getattr(gateway.queue, "pool", None)
-    manager = getattr(pool, "sessions", None)
-    if not isinstance(manager, SessionManager):
+    manager = sessions_of(gateway.queue)
+    if manager is None:
         raise ApiError(501, NO_SESSIONS.format(queue=type(gateway.queue).__name__))
     return manager
 

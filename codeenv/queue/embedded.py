@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from codeenv.errors import InvalidRequest, PoolClosed
+from codeenv.errors import InvalidRequest, PoolClosed, id_taken
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import OnResult, notify_each, until_done_or_gone
 from codeenv.sandbox.pool import SlotPool
@@ -180,7 +180,7 @@ class EmbeddedQueue:
         known = running[0] if running is not None else done[0] if done is not None else ""
         if known != fingerprint(request):
             return ExecResult(id=request.id, status=Status.rejected, started=False,
-                              message=f"id {request.id!r} already names a different call; use a new id")
+                              message=id_taken(request.id))
         if done is not None:
             return done[1]
         assert running is not None

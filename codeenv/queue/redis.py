@@ -27,7 +27,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from codeenv.admission import admit
-from codeenv.errors import InvalidRequest, QueueUnavailable
+from codeenv.errors import InvalidRequest, QueueUnavailable, id_taken
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each, until_done_or_gone
 from codeenv.queue.embedded import fingerprint
@@ -257,7 +257,7 @@ class RedisQueue:
         """A resubmission of a call its client id already names: answer it with that call's result."""
         if fp != call.fingerprint:
             call.answer(ExecResult(id=call.request.id, status=Status.rejected, started=False,
-                                   message=f"id {call.request.id!r} already names a different call; use a new id"))
+                                   message=id_taken(call.request.id)))
             return
         original = self._waiting.get(job)
         if original is not None:  # written by this gateway: share its future
