@@ -28,7 +28,7 @@ from codeenv.sandbox.uids import (
     claim_block,
     claim_for,
     in_user_namespace,
-    mapped_uids,
+    mapped_extents,
     range_start,
 )
 from codeenv.settings import SandboxSettings
@@ -103,11 +103,11 @@ def test_claims_that_cannot_succeed_say_why(tmp_path: Path) -> None:
 def test_the_uids_a_namespace_maps_are_read_from_its_uid_map(tmp_path: Path) -> None:
     uid_map = tmp_path / "uid_map"
     uid_map.write_text("         0          0 4294967295\n")  # the initial namespace
-    assert mapped_uids(uid_map) == [range(0, 2**32 - 1)]
+    assert mapped_extents(uid_map) == [range(0, 2**32 - 1)]
     uid_map.write_text("         1     100000      65536\n         0       1000          1\n")  # rootless podman
-    assert mapped_uids(uid_map) == [range(0, 65537)]
+    assert mapped_extents(uid_map) == [range(0, 65537)]
     uid_map.write_text("0 2000000 65536\n100000 3000000 10\n")
-    assert mapped_uids(uid_map) == [range(0, 65536), range(100000, 100010)]
+    assert mapped_extents(uid_map) == [range(0, 65536), range(100000, 100010)]
 
 
 @pytest.mark.unit

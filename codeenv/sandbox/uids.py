@@ -62,11 +62,11 @@ def uids_needed(settings: SandboxSettings) -> int:
     return FAMILY_UIDS + settings.sessions_max
 
 
-def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
-    """The uids this process's user namespace maps, in its own numbers, adjacent extents merged
-    (the initial namespace: all of 0..2**32-2)."""
+def mapped_extents(id_map: Path = Path("/proc/self/uid_map")) -> list[range]:
+    """The ids an id map (uid_map, gid_map) of this process's user namespace maps, in its own numbers,
+    adjacent extents merged (the initial namespace: all of 0..2**32-2)."""
     extents = sorted((range(int(inside), int(inside) + int(count))
-                      for inside, _outside, count in (line.split() for line in uid_map.read_text().splitlines())),
+                      for inside, _outside, count in (line.split() for line in id_map.read_text().splitlines())),
                      key=lambda extent: extent.start)
     merged: list[range] = []
     for extent in extents:
@@ -80,14 +80,14 @@ def mapped_uids(uid_map: Path = Path("/proc/self/uid_map")) -> list[range]:
 def mapped_ids() -> list[range]:
     """The ids this process's user namespace maps both as uids and as gids (a slot runs as uid and
     gid ``base + i``)."""
-    uids, gids = mapped_uids(), mapped_uids(Path("/proc/self/gid_map"))
+    uids, gids = mapped_extents(), mapped_extents(Path("/proc/self/gid_map"))
     both = [range(max(u.start, g.start), min(u.stop, g.stop)) for u in uids for g in gids]
     return sorted((extent for extent in both if extent), key=lambda extent: extent.start)
 
 
 def in_user_namespace() -> bool:
     """Whether this process runs in a user namespace that maps fewer uids than the host has."""
-    return mapped_uids() != [range(0, LAST_UID + 1)]
+    return mapped_extents() != [range(0, LAST_UID + 1)]
 
 
 def overflow_ids() -> tuple[int, ...]:
@@ -285,19 +285,16 @@ def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK
     if run < block:
         stride = CHUNK
         width = -(-need // CHUNK) * CHUNK
-        candidates = [(base, min(width, start + run - base)) for base in range(start, start + run - need + 1, CHUNK)]
+        sized = ((base, min(width, start + run - base)) for base in range(start, start + run - need + 1, CHUNK))
     else:
         stride = width = block
-        candidates = [(base, min(block, mapped_run(base, mapped, overflow)))
-                      for base in range(start, LAST_UID + 2 - block, block)]
-        candidates = [(base, size) for base, size in candidates if size >= need]
-    if not candidates:
-        raise SandboxError(
-            f"no block of {need} host uids from {start} is mapped in this user namespace ({_maps_text()}): set "
-            f"CODEENV_UID_RANGE_START to where it maps {need} uids and gids in a row below the overflow id "
-            f"{overflow[0]}, or lower CODEENV_SESSIONS_MAX (a pool needs {FAMILY_UIDS} + sessions_max)")
-    locked = live = 0
-    for base, size in candidates:
+        sized = ((base, min(block, mapped_run(base, mapped, overflow)))
+                 for base in range(start, LAST_UID + 2 - block, block))
+    tried = locked = live = 0
+    for base, size in sized:
+        if size < need:
+            continue
+        tried += 1
         paths = [lock_dir / f"uid-block-{chunk}.lock" for chunk in range(base, base + size, stride)]
         fds = _lock_all(paths)
         if fds is None:
@@ -314,6 +311,11 @@ def claim_block(lock_dir: Path, start: int, *, need: int = 1, block: int = BLOCK
             os.ftruncate(fds[0], 0)
             os.pwrite(fds[0], f"{os.getpid()}\n".encode(), 0)
         return UidBlock(base, paths[0], fds[0], size, fds[1:])
-    raise SandboxError(f"no free block of host uids: all {len(candidates)} blocks of {width} uids from {start} that "
+    if not tried:
+        raise SandboxError(
+            f"no block of {need} host uids from {start} is mapped in this user namespace ({_maps_text()}): set "
+            f"CODEENV_UID_RANGE_START to where it maps {need} uids and gids in a row below the overflow id "
+            f"{overflow[0]}, or lower CODEENV_SESSIONS_MAX (a pool needs {FAMILY_UIDS} + sessions_max)")
+    raise SandboxError(f"no free block of host uids: all {tried} blocks of {width} uids from {start} that "
                        f"this namespace maps are held ({locked} by other codeenv processes' locks, {live} by live "
                        "processes outside them); stop a worker or lower CODEENV_UID_RANGE_START")
