@@ -119,6 +119,7 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
 
     CPU time decides a test's time limit; its wall-clock limit, unless asked, is a safety net of
     3 x the CPU limit + 1 s, so that a contended host does not turn correct solutions into timeouts.
+    Nothing here depends on the expected answers.
     """
     spec = request.judge
     assert spec is not None
@@ -140,7 +141,11 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
         raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
     asked = request.limits
     cpu = asked.cpu_s if asked.cpu_s is not None else settings.defaults.cpu_s
-    values = resolve_limits(asked.model_copy(update={"cpu_s": cpu, "wall_s": None}), settings.defaults, settings.caps)
+    # A test's output is compared in full: unless asked, up to the server's cap. Never sized from the
+    # expected answers, which a test must not be able to observe (not even by where it is stopped).
+    output = asked.output_bytes if asked.output_bytes is not None else settings.caps.output_bytes
+    values = resolve_limits(asked.model_copy(update={"cpu_s": cpu, "wall_s": None, "output_bytes": output}),
+                            settings.defaults, settings.caps)
     wall = asked.wall_s if asked.wall_s is not None else 3 * cpu + 1
     if asked.wall_s is not None and asked.wall_s > settings.caps.wall_s:
         raise LimitExceedsCap("limits.wall_s", asked.wall_s, settings.caps.wall_s)

