@@ -1064,12 +1064,20 @@ class Submission:
 
 
 def _take_report(fd: int, limit: int) -> dict[str, Any] | None:
-    """The report in a memfd that the next test uses too: read, then cleared."""
-    if os.pread(fd, 4, 0) == b"\0\0\0\0":
+    """The report in a memfd that the next test uses too: read, then cleared whole (a test can read
+    all of it, and must find nothing of the test before)."""
+    if os.pread(fd, 4, 0) == b"\0\0\0\0" and not _written(fd):
         return None
     report = _read_report(fd, limit)
-    os.pwrite(fd, b"\0\0\0\0", 0)
+    size = os.fstat(fd).st_size
+    os.ftruncate(fd, 0)  # frees its pages: the next test maps zeros
+    os.ftruncate(fd, size)
     return report
+
+
+def _written(fd: int) -> bool:
+    """Whether the memfd `fd` holds any data (tmpfs allocates no block for a page never written)."""
+    return os.fstat(fd).st_blocks > 0
 
 
 def _read_report(fd: int, limit: int) -> dict[str, Any] | None:
