@@ -36,6 +36,7 @@ from tests.reward_hacks import (
     ROUTER_SCRIPT,
     Hack,
 )
+from tests.test_compat import HOSTILE as COMPAT_HOSTILE
 from tests.test_routers import as_routed_sandbox
 
 pytestmark = [pytest.mark.jail]
@@ -116,7 +117,7 @@ async def test_every_hack_gets_its_verdict(server: str) -> None:
         async with sem:
             try:
                 got = await verdict(c, hack)
-            except AssertionError as exc:  # a service fault, or an answer that is no answer
+            except Exception as exc:  # a service fault, or an answer that is no answer
                 got = f"fault: {str(exc)[:300]}"
         return None if got == hack.must else f"{hack.path}: {hack.name}: got {got!r}, must get {hack.must!r}"
 
@@ -277,3 +278,25 @@ async def test_judged_verdicts_equal_each_test_run_alone(server: str) -> None:
     finally:
         await reference.close()
     assert not differ, "\n".join(differ)
+
+
+@pytest.mark.slow
+async def test_no_hostile_program_is_a_service_fault(server: str) -> None:
+    """Every hostile program we have, judged and run through SandboxFusion: never internal_error."""
+    codes = sorted({h.code for h in HACKS} | {code for code, _ in COMPAT_HOSTILE})
+    limits = {"cpu_s": 1, "wall_s": 3, "memory_mb": 256}
+    sem = asyncio.Semaphore(4)
+    async with httpx.AsyncClient(base_url=server, timeout=120) as c:
+
+        async def both(code: str) -> list[str]:
+            async with sem:
+                judged = await post(c, "/v1/judge", {"code": code, "limits": limits,
+                                                     "tests": [{"stdin": "1 2", "expected_stdout": "3"}] * 2})
+                fused = await post(c, "/run_code", {"code": code, "language": "python", "run_timeout": 3,
+                                                    "memory_limit_MB": 256})
+            faults = [f"judge: {judged}"] if judged["status"] in SERVICE_FAULTS or any(
+                t["status"] == "internal_error" for t in judged["tests"]) else []
+            return faults + ([f"run_code: {fused}"] if fused["status"] == "SandboxError" else [])
+
+        faults = [f for fs in await asyncio.gather(*(both(code) for code in codes)) for f in fs]
+    assert not faults, "\n".join(f[:500] for f in faults)
