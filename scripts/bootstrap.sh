@@ -51,6 +51,8 @@ bootstrap_venv() {
     if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         "$(find_python)" -m venv "$VENV"
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+        # The distribution was named `codeenv` before (another project's name on PyPI): not two of it.
+        "$VENV/bin/python" -m pip uninstall -q -y --disable-pip-version-check codeenv >/dev/null 2>&1 || true
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
         echo "$want" > "$stamp"
     fi
