@@ -7,10 +7,19 @@ It knows nothing of the server's settings: checking a request against them is ad
 from __future__ import annotations
 
 import re
-from enum import StrEnum
+import sys
+from enum import Enum
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # the client side runs on 3.10 too: the same behaviour, what StrEnum adds to (str, Enum)
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
 
 
 class Status(StrEnum):

@@ -28,6 +28,8 @@ from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
 
 SLOTS = 2
+#: The trainer side's tests run on other interpreters, without the service's packages (scripts/test-client).
+collect_ignore = ["client"]
 #: What each tier's tests may use: a `unit` test none of these fixtures, a `jail` test the pool.
 TIERS = {"jail": {"pool"}, "redis": {"redis_server"}}
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from codeenv.client._async import AsyncClient
 from codeenv.client._session import AsyncSession, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
+
+T = TypeVar("T")  # not def _call[T]: the client runs on Python 3.10
 
 
 class Client:
@@ -33,7 +35,7 @@ class Client:
 
         self._client = self._call(make())
 
-    def _call[T](self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None, id: str | None = None,
