@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
 from codeenv.admission import resolve_limits
 from codeenv.errors import CodeenvError
-from codeenv.models import ExecRequest, Limits
-from codeenv.settings import GatewaySettings, SandboxSettings
+from codeenv.models import ExecRequest, ExecResult, Limits, Status
+from codeenv.settings import GatewaySettings, SandboxSettings, describe_invalid
 
 app = typer.Typer(help="codeenv: fast, jailed Python execution for agentic RL.", no_args_is_help=True)
 image_app = typer.Typer(help="Build and inspect sandbox images.", no_args_is_help=True)
@@ -50,8 +52,10 @@ def _progress(message: str) -> None:
     err.print(f"[bold cyan]image[/] {message}")
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
+def _fail(message: str | BaseException) -> typer.Exit:
+    if isinstance(message, ValidationError):
+        message = describe_invalid(message)
+    err.print(f"[bold red]error:[/] {escape(str(message))}")
     return typer.Exit(2)
 
 
@@ -65,7 +69,8 @@ def run(
     image: Annotated[str | None, typer.Option(help="sandbox image name")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Run one program in a jail and print its result as JSON."""
+    """Run one program in a jail and print its result as JSON. Exits with the program's status: its
+    exit code, 128 + the signal that ended it, 124 past its time limit, 1 past another limit."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -80,19 +85,46 @@ def run(
                               limits=Limits(wall_s=timeout, memory_mb=memory))
         resolve_limits(request.limits, settings.defaults, settings.caps)  # refuse before starting jails
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(exc) from exc
 
-    async def go() -> str:
+    async def go() -> ExecResult:
         from codeenv.sandbox.pool import SlotPool
 
         async with SlotPool(settings, progress=_progress) as pool:
-            result = await pool.run(request)
-        return result.model_dump_json(indent=2)
+            return await pool.run(request)
 
     try:
-        print(asyncio.run(go()))
+        result = asyncio.run(go())
     except CodeenvError as exc:
         raise _fail(str(exc)) from exc
+    print(result.model_dump_json(indent=2))
+    raise typer.Exit(_exit_status(result))
+
+
+def _exit_status(result: ExecResult) -> int:
+    """A shell's view of how the program ended (as `timeout` and the shell report it)."""
+    if result.status is Status.internal_error:
+        return 2
+    if result.exit_code is not None and result.status in (Status.ok, Status.error):
+        return result.exit_code
+    if result.signal is not None and result.status is not Status.timeout:
+        return 128 + result.signal
+    if result.status is Status.timeout:
+        return 124
+    return 0 if result.status is Status.ok else 1
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a taken (or unbindable) address before any jail starts; uvicorn binds it again."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds it? "
+                    "choose another --port)") from exc
 
 
 @app.command()
@@ -126,7 +158,8 @@ def serve(
         given = {k: v for k, v in given.items() if v is not None}
         settings = GatewaySettings(**given)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(exc) from exc
+    _check_port(settings.host, settings.port)
     if settings.redis_url is None or settings.local_worker:
         try:
             prepare_jails(settings, _progress)  # refuse before binding: no image, cgroups or memory for a slot
@@ -193,7 +226,7 @@ def bench(
         scenario = Scenario(mode, prompts, samples, turns, steps, Think.parse(think), concurrency, calls, rate,
                             poisson, seed)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(exc) from exc
     options = Options(target, api, compare, compare_api, workload, expect, check, scenario, procs, rounds, slots,
                       limit, write_expect, out, http_timeout)
     console = Console()
@@ -265,7 +298,7 @@ def worker(
         given = {"redis_url": redis, "slots": slots}
         settings = QueueSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(exc) from exc
     try:
         prepare_jails(settings, _progress)
         run_worker(settings)
@@ -289,7 +322,7 @@ def doctor(
         given = {"cgroup_root": cgroup_root, "slots": slots}
         settings = SandboxSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(exc) from exc
     report = run_checks(settings)
     if as_json:
         print(to_json(report))
@@ -345,7 +378,11 @@ def image_syscalls(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ValidationError as exc:  # settings from CODEENV_* variables, wherever a command reads them
+        err.print(f"[bold red]error:[/] {escape(describe_invalid(exc))}")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

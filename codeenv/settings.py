@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from codeenv.models import LimitValues
@@ -231,3 +231,13 @@ class GatewaySettings(QueueSettings):
                 "(--token / CODEENV_TOKEN) or pass --insecure"
             )
         return self
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """Settings refused, in one line: each setting by its CODEENV_* name and what it accepts."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        message = str(error["msg"]).removeprefix("Value error, ")
+        loc = error["loc"]
+        parts.append(f"CODEENV_{str(loc[0]).upper()}: {message}" if loc else message)
+    return "invalid settings: " + "; ".join(parts)
