@@ -51,8 +51,9 @@ async def test_bad_arguments_get_a_clear_message(tmp_path: Path) -> None:
     assert code == 2 and "cannot exceed the configured limit of 120" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(("program", "status"), [("import sys\nsys.exit(3)", 3), ("import os\nos.kill(os.getpid(), 9)", 137),
-                                                 ("while True: pass", 124), ("print(1)", 0)])
+@pytest.mark.parametrize(("program", "status"), [
+    ("import sys\nsys.exit(3)", 3), ("import os\nos.kill(os.getpid(), 9)", 137), ("while True: pass", 124),
+    ("print(1)", 0)])
 async def test_run_exits_with_the_programs_status(program: str, status: int) -> None:
     code, out, err = await cli("run", "-", "--timeout", "1", stdin=program)
     assert code == status, (out, err)
