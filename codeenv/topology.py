@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from codeenv.errors import PoolFailed
 from codeenv.settings import GatewaySettings, QueueSettings, SandboxSettings
+from codeenv.stopping import answers_by
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -280,8 +281,14 @@ def run_pool(settings: GatewaySettings, socket_path: Path) -> None:
         server = HostSocketServer(queue, socket_path)
         await server.start()
         stopping = asyncio.Event()
-        on_stop_signals(stopping.set, queue.force)  # a second signal cuts the close's grace short
+
+        def drain() -> None:  # its calls are answered to the gateways before their connections close
+            queue.drain(answers_by(settings.shutdown_grace_s))
+            stopping.set()
+
+        on_stop_signals(drain, queue.force)  # a second signal stops the running calls at once
         await stopping.wait()
+        await queue.drained()
         await server.close()
 
     asyncio.run(go())

@@ -31,11 +31,42 @@ from codeenv.models import ExecRequest, JudgeRequest, Limits, SessionCell, Sessi
 from codeenv.queue.base import CallQueue
 from codeenv.sandbox.image import find_spec
 from codeenv.settings import GatewaySettings
+from codeenv.stopping import drain_on_signals
 
 if TYPE_CHECKING:
     from codeenv.worker.redis import StreamWorker
 
 LAG_PROBE_S = 0.5
+#: How long before the queue gives up on running calls a local Redis worker stops them (and writes
+#: their `killed` results).
+WORKER_CUT_AHEAD_S = 0.7
+
+
+class Stopping:
+    """What a stop signal drains: the queue, and the Redis worker sharing this process (it stops
+    claiming, hands back what it has not started, and gives its running calls until `until`)."""
+
+    def __init__(self, queue: CallQueue, worker: StreamWorker | None) -> None:
+        self.queue, self.worker = queue, worker
+        self._worker_stop: asyncio.Task[None] | None = None
+
+    def drain(self, until: float) -> None:
+        self.queue.drain(until)
+        if self.worker is not None and self._worker_stop is None:
+            # Its running calls are cut a little before the queue stops waiting, so their answers arrive.
+            grace = max(0.0, until - time.monotonic() - WORKER_CUT_AHEAD_S)
+            self._worker_stop = asyncio.create_task(self.worker.stop(grace_s=grace))
+
+    def force(self) -> None:
+        self.queue.force()
+        if self.worker is not None:
+            self.worker.force()
+
+    async def worker_stopped(self) -> None:
+        assert self.worker is not None
+        if self._worker_stop is None:
+            self._worker_stop = asyncio.create_task(self.worker.stop())
+        await self._worker_stop
 
 
 def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWorker | None = None) -> FastAPI:
@@ -61,13 +92,16 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 await worker.stop(grace_s=0)
             raise
         probe = asyncio.create_task(measure_lag(), name="codeenv-loop-lag")
+        stopping = Stopping(queue, worker)
+        restore_signals = drain_on_signals(stopping, settings.shutdown_grace_s)
         try:
             yield
         finally:
+            restore_signals()
             probe.cancel()
             await queue.close()
             if worker is not None:
-                await worker.stop()
+                await stopping.worker_stopped()
             metrics.process_exit()
 
     app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,

@@ -106,6 +106,12 @@ class BaselineQueue:
     def ready(self) -> bool:
         return bool(self._argv)
 
+    def drain(self, until: float) -> None:
+        """A baseline stops as uvicorn stops it: its calls are short, and it keeps nothing."""
+
+    def force(self) -> None:
+        """As drain."""
+
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         return False, None  # a baseline remembers nothing
 

@@ -72,6 +72,16 @@ class CallQueue(Protocol):
         """Whether calls can be run now (started, with at least one healthy slot)."""
         ...
 
+    def drain(self, until: float) -> None:
+        """The service is stopping: start no more calls (those not started are answered `overloaded`,
+        started: false) and answer the running ones by `until` (time.monotonic()), `killed` if they
+        are still running then."""
+        ...
+
+    def force(self) -> None:
+        """Stop now: what still runs is stopped (and answered) at once."""
+        ...
+
     async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
         """Whether a call with this client id is running or remembered, and its result once it ended.
 

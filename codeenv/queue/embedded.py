@@ -27,6 +27,9 @@ from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
+#: Why a call that had not started when the service began to stop is answered `overloaded`.
+STOPPING = "the service is stopping: the call was not started; send it again (to another server)"
+
 
 class EmbeddedQueue:
     """An in-process queue in front of a SlotPool, bounded by `max_queued` waiting calls.
@@ -53,7 +56,12 @@ class EmbeddedQueue:
         self._done_bytes = 0
         self._tasks: set[asyncio.Future[ExecResult]] = set()
         self._waiting_since: dict[object, float] = {}  # calls not yet dispatched, oldest first
+        # The tasks of calls not yet dispatched, and of those running: for a drain to answer them.
+        self._undispatched: dict[object, asyncio.Task[Any]] = {}
+        self._dispatched: dict[object, asyncio.Task[Any]] = {}
         self._forced = asyncio.Event()
+        self._draining = False
+        self._stopping_running = False
 
     async def start(self) -> None:
         await self.pool.start()
@@ -70,6 +78,30 @@ class EmbeddedQueue:
     def force(self) -> None:
         """Cut a graceful close short: the calls still running are killed with the pool."""
         self._forced.set()
+        if self._draining:
+            self._stop_running()
+
+    def drain(self, until: float) -> None:
+        """Start no more calls: those not started are answered `overloaded` (started: false) now, those
+        running by `until` (time.monotonic()) at the latest, `killed` if they have not ended by then;
+        new ones are refused. Then close() has nothing left to wait for."""
+        if self._draining:
+            return
+        self._draining = True
+        for task in list(self._undispatched.values()):
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        loop.call_at(loop.time() + max(0.0, until - time.monotonic()), self._stop_running)
+
+    async def drained(self) -> None:
+        """Until every call is answered (after drain(): by its `until`)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _stop_running(self) -> None:
+        self._stopping_running = True
+        for task in list(self._dispatched.values()):
+            task.cancel()
 
     def stats(self) -> dict[str, float]:
         slots = len(self.pool.slots)
@@ -81,7 +113,8 @@ class EmbeddedQueue:
                 "sessions": len(self.pool.sessions.sessions) if self.pool.sessions is not None else 0}
 
     def ready(self) -> bool:
-        return self.pool.is_open and any(not z.dead for s in self.pool.slots for z in s.zygotes.values())
+        return not self._draining and self.pool.is_open and any(
+            not z.dead for s in self.pool.slots for z in s.zygotes.values())
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None, *,
@@ -91,7 +124,7 @@ class EmbeddedQueue:
         unstarted until then)."""
         accepted = time.monotonic() if accepted_at is None else accepted_at
         self._forget_expired()
-        room = max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
+        room = 0 if self._draining else max(0, self.max_queued + len(self.pool.slots) - self.in_flight)
         work: list[Awaitable[ExecResult]] = []
         cancellable: list[tuple[int, list[bool]]] = []  # (index in work, set once dispatched)
         for index, request in enumerate(requests):
@@ -139,6 +172,8 @@ class EmbeddedQueue:
         return call_id in self._running, None
 
     async def _overloaded(self, request: ExecRequest) -> ExecResult:
+        if self._draining:
+            return ExecResult(id=request.id, status=Status.overloaded, started=False, message=STOPPING)
         return ExecResult(id=request.id, status=Status.overloaded, started=False,
                           message=f"more than {self.max_queued} calls are waiting; retry later")
 
@@ -147,13 +182,31 @@ class EmbeddedQueue:
                        before_start: Callable[[], Awaitable[None]] | None = None) -> ExecResult:
         token = object()
         self._waiting_since[token] = accepted
+        task = asyncio.current_task()
+        if task is not None:
+            self._undispatched[token] = task
 
         def on_dispatch() -> None:
             dispatched.append(True)
             self._waiting_since.pop(token, None)
+            running = self._undispatched.pop(token, None)
+            if running is not None:
+                self._dispatched[token] = running
 
         try:
-            result = await self._one(request, on_dispatch, accepted, before_start)
+            try:
+                result = await self._one(request, on_dispatch, accepted, before_start)
+            except asyncio.CancelledError:
+                if not self._draining:  # the caller went away (or a plain cancel): as before
+                    raise
+                if not dispatched:
+                    result = ExecResult(id=request.id, status=Status.overloaded, started=False, message=STOPPING)
+                elif self._stopping_running:
+                    result = ExecResult(id=request.id, status=Status.killed, started=True,
+                                        message="the service stopped before the call ended (its grace period "
+                                                "was over)")
+                else:
+                    raise
             if request.id is not None and future is not None:
                 fingerprint, _ = self._running.pop(request.id)
                 future.set_result(result)
@@ -172,6 +225,8 @@ class EmbeddedQueue:
         finally:
             self.in_flight -= 1
             self._waiting_since.pop(token, None)
+            self._undispatched.pop(token, None)
+            self._dispatched.pop(token, None)
 
     async def _attach(self, request: ExecRequest) -> ExecResult:
         assert request.id is not None

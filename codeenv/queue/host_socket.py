@@ -11,7 +11,8 @@ Usage::
     await queue.start()
 
 Frames are a 4-byte big-endian length and UTF-8 text. Gateway -> pool: a JSON object with ``op``
-(``submit`` with ``requests``, ``cancel``, ``lookup`` with ``id``) and a request number ``n``.
+(``submit`` with ``requests``, ``cancel``, ``lookup`` with ``id``; ``drain`` with ``until``, a
+time.monotonic(), and ``force`` when the service stops) and a request number ``n``.
 Pool -> gateway: a JSON header line (``{"n": ...}`` answering a request, or ``{"stats": {...}}``)
 followed by one result per line, each as the pool encoded it (results are never re-encoded); and
 ``{"n": ..., "started": i}`` when call ``i`` of batch ``n`` holds its slot, written to the socket
@@ -38,7 +39,7 @@ from pathlib import Path
 from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, until_done_or_gone
-from codeenv.queue.embedded import EmbeddedQueue
+from codeenv.queue.embedded import STOPPING, EmbeddedQueue
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ class HostSocketServer:
                 elif message["op"] == "cancel":
                     if n in gone:
                         gone[n].set()
+                elif message["op"] == "drain":  # a gateway is stopping: so is the service
+                    self.queue.drain(float(message["until"]))
+                elif message["op"] == "force":
+                    self.queue.force()
                 elif message["op"] == "lookup":
                     known, result = await self.queue.lookup(message["id"])
                     writer.write(_frame(json.dumps({"n": n, "known": known}) + "\n"
@@ -180,6 +185,7 @@ class HostSocketQueue:
         self._ready = False
         self._lost = False
         self._closing = False
+        self._draining = False
         self._reconnecting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -220,7 +226,18 @@ class HostSocketQueue:
             self._writer.close()
 
     def ready(self) -> bool:
-        return self._ready and not self._lost
+        return self._ready and not self._lost and not self._draining
+
+    def drain(self, until: float) -> None:
+        """The pool process drains (every gateway of the host stops with the service): its calls not
+        started are answered `overloaded`, its running ones by `until` (one clock per host)."""
+        self._draining = True
+        with contextlib.suppress(ConnectionError):
+            self._send(f'"op":"drain","until":{until!r}', 0)
+
+    def force(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            self._send('"op":"force"', 0)
 
     def stats(self) -> dict[str, float]:
         return self._stats if self._stats and not self._lost else NO_STATS
@@ -236,6 +253,8 @@ class HostSocketQueue:
     async def _submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None,
                       accepted_at: float | None) -> list[ExecResult]:
         accepted = time.monotonic() if accepted_at is None else accepted_at
+        if self._draining:
+            return [ExecResult(id=r.id, status=Status.overloaded, started=False, message=STOPPING) for r in requests]
         future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         batch = _Batch(requests, future)
         try:

@@ -30,7 +30,7 @@ from codeenv.admission import admit
 from codeenv.errors import InvalidRequest, QueueUnavailable, id_taken
 from codeenv.models import ExecRequest, ExecResult, Status
 from codeenv.queue.base import NO_STATS, OnResult, notify_each, until_done_or_gone
-from codeenv.queue.embedded import fingerprint
+from codeenv.queue.embedded import STOPPING, fingerprint
 from codeenv.queue.redis_protocol import (
     DONE_TTL_S,
     GROUP,
@@ -108,6 +108,7 @@ class RedisQueue:
         self._down: str | None = None  # why Redis is unreachable, while it is
         self._snapshot: dict[str, float] = dict(NO_STATS)
         self._workers_seen: set[str] = set()  # the live workers at the last snapshot
+        self._draining = False
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -144,7 +145,24 @@ class RedisQueue:
         await self._reader.aclose()
 
     def ready(self) -> bool:
-        return self._down is None and self._snapshot["workers"] > 0 and self._snapshot["slots"] > 0
+        return (not self._draining and self._down is None and self._snapshot["workers"] > 0
+                and self._snapshot["slots"] > 0)
+
+    def drain(self, until: float) -> None:
+        """This gateway is stopping: calls no worker has started are taken back from the stream and
+        answered `overloaded` (started: false); results of running ones are awaited until `until`."""
+        if self._draining:
+            return
+        self._draining = True
+        self._cancel_soon([c for c in self._waiting.values() if not c.future.done()])
+        loop = asyncio.get_running_loop()
+        loop.call_at(loop.time() + max(0.0, until - time.monotonic()), self.force)
+
+    def force(self) -> None:
+        """Stop waiting: each call still out is answered as lost (it may still run on its worker)."""
+        for call in list(self._waiting.values()):
+            call.answer(self._lost(call.request, "the gateway stopped before the call's result came back"))
+        self._waiting.clear()
 
     def stats(self) -> dict[str, float]:
         return self._snapshot
@@ -165,9 +183,9 @@ class RedisQueue:
             except InvalidRequest as exc:
                 future.set_result(ExecResult(id=request.id, status=Status.rejected, message=str(exc)))
                 continue
-            if self._down is not None:
-                future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False,
-                                             message=f"the queue is unreachable ({self._down}); retry later"))
+            if self._down is not None or self._draining:
+                why = STOPPING if self._draining else f"the queue is unreachable ({self._down}); retry later"
+                future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False, message=why))
                 continue
             call = _Call(request, future, accepted)
             mine.append(call)
@@ -320,7 +338,8 @@ class RedisQueue:
                 deadline = call.request.deadline_s
                 call.answer(ExecResult(
                     id=call.request.id, status=Status.overloaded, started=False,
-                    message=f"no worker started the call within its deadline of {deadline:g}s; not run"
+                    message=STOPPING if self._draining else
+                    f"no worker started the call within its deadline of {deadline:g}s; not run"
                     if deadline is not None else "cancelled before it started: the caller went away"))
 
     # --- reading results ------------------------------------------------------------------------

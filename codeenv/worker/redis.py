@@ -101,6 +101,7 @@ class StreamWorker:
         self._room = asyncio.Event()
         self._rescan = False  # read our own pending entries again (after a lost connection)
         self._stopping = False
+        self._cutting = False  # stopping, past the grace period: running calls are stopped and answered
         self._stopped = asyncio.Event()
         self._force = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -164,6 +165,13 @@ class StreamWorker:
             finished: asyncio.Future[Any] = asyncio.gather(*running, return_exceptions=True)
             await asyncio.wait([finished, forced], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
             forced.cancel()
+        # What still runs is stopped and answered `killed` (its result written), not left to a reclaimer.
+        self._cutting = True
+        cut = [j.task for j in self._held.values() if j.task is not None and j.in_pool and not j.task.done()]
+        for task in cut:
+            task.cancel()
+        await asyncio.gather(*cut, return_exceptions=True)
+        await asyncio.gather(*self._publishing, return_exceptions=True)
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
@@ -360,6 +368,11 @@ class StreamWorker:
         job.in_pool = True
         try:
             result = await self.pool.run(request, on_dispatch=on_dispatch, before_start=mark)
+        except asyncio.CancelledError:
+            if not (self._cutting and job.marked):
+                raise
+            return ExecResult(id=request.id, status=Status.killed, started=True,
+                              message="the worker stopped before the call ended (its grace period was over)")
         except InvalidRequest as exc:
             return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
         except PoolClosed:
