@@ -170,8 +170,7 @@ class StreamWorker:
         cut = [j.task for j in self._held.values() if j.task is not None and j.in_pool and not j.task.done()]
         for task in cut:
             task.cancel()
-        await asyncio.gather(*cut, return_exceptions=True)
-        await asyncio.gather(*self._publishing, return_exceptions=True)
+        await asyncio.gather(*cut, return_exceptions=True)  # each awaits the write of its result
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
