@@ -86,6 +86,14 @@ REFUSED = {
     "AF_ALG": ("socket.socket(38, socket.SOCK_SEQPACKET, 0)", 97),
     "AF_KEY": ("socket.socket(15, socket.SOCK_RAW, 2)", 97),
     "AF_BLUETOOTH": ("socket.socket(31, socket.SOCK_STREAM, 0)", 97),
+    "IPPROTO_UDPLITE": ("socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 136)", 93),
+    "IPPROTO_UDPLITE on AF_INET6": ("socket.socket(socket.AF_INET6, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 136)", 93),
+    "IPPROTO_SCTP": ("socket.socket(socket.AF_INET, socket.SOCK_STREAM, 132)", 93),
+    "ping socket (IPPROTO_ICMP)": ("socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)", 93),
+    "SOCK_RAW": ("socket.socket(socket.AF_INET, socket.SOCK_RAW, 255)", 94),
+    "SOCK_SEQPACKET (SCTP)": ("socket.socket(socket.AF_INET, socket.SOCK_SEQPACKET, 0)", 94),
+    "SOCK_DCCP": ("socket.socket(socket.AF_INET, 6, 0)", 94),
+    "socketpair with a protocol": ("socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM, 1)", 93),
     "prlimit64 of another process": ("libc.syscall(302, 1, 7, 0, 0)", 1),
     "chattr (FS_IOC_SETFLAGS)": ("libc.syscall(16, open('f', 'w').fileno(), 0x40086602, "
                                  "ctypes.byref(ctypes.c_long(0x10)))", 1),
@@ -122,6 +130,27 @@ async def test_calls_outside_the_allowlist_are_refused(run: Runner, name: str) -
     assert r.status == "ok", r
     _, rc, errno = r.stdout.split()
     assert (int(rc), int(errno)) == (-1, expected), r.stdout
+
+
+@pytest.mark.jail
+async def test_tcp_udp_and_unix_sockets_still_work(run: Runner) -> None:
+    code = (
+        "import socket\n"
+        "for proto in (0, socket.IPPROTO_TCP):\n"
+        "    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC, proto)\n"
+        "    server.bind(('127.0.0.1', 0)); server.listen()\n"
+        "    client = socket.create_connection(server.getsockname())\n"
+        "    peer, _ = server.accept(); client.sendall(b'tcp'); print(peer.recv(3).decode())\n"
+        "for proto in (0, socket.IPPROTO_UDP):\n"
+        "    a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK, proto)\n"
+        "    a.bind(('127.0.0.1', 0)); a.setblocking(True)\n"
+        "    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, proto); b.sendto(b'udp', a.getsockname())\n"
+        "    print(a.recv(3).decode())\n"
+        "for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):\n"
+        "    x, y = socket.socketpair(socket.AF_UNIX, kind); x.send(b'unix'); print(y.recv(4).decode())\n"
+    )
+    r = await run(code)
+    assert r.status == "ok" and r.stdout.split() == ["tcp", "tcp", "udp", "udp", "unix", "unix", "unix"], r
 
 
 @pytest.mark.jail

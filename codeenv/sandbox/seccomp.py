@@ -9,8 +9,9 @@ Three parts, in the order a call's system call meets them (the first rule that m
    dumpable again. The call ends with SIGSYS.
 2. **Refused** (`REFUSED_WHEN`): allowed calls with arguments that would reach another process or
    the host: a socket family other than AF_UNIX, AF_INET and AF_INET6 (EAFNOSUPPORT, before the
-   kernel loads or parses that family), limits, priorities or CPU affinity of another process,
-   inode flags (`chattr`) of the work dir (EPERM).
+   kernel loads or parses that family), a socket type other than stream or datagram
+   (ESOCKTNOSUPPORT) or a protocol other than TCP or UDP (EPROTONOSUPPORT), limits, priorities or
+   CPU affinity of another process, inode flags (`chattr`) of the work dir (EPERM).
 3. **Allowed**: the image's list (``sandbox_images/NAME/syscalls.txt``; images without one use
    python-math's). Anything else answers ENOSYS, the errno on which glibc falls back (clone3 to
    clone, faccessat2 to faccessat, close_range to a loop).
@@ -56,10 +57,21 @@ KILLED_WHEN = (
     "personality(persona) { persona != 0 && persona != 0xffffffff }",
     "prctl(option, value) { option == 4 && value != 0 }",
 )
-#: EPERM (1) or EAFNOSUPPORT (97) for these arguments. ioctl: FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR.
+#: A socket's type without its flags (SOCK_NONBLOCK 0x800, SOCK_CLOEXEC 0x80000; the mask also drops
+#: the upper half of the register, which the kernel ignores): STREAM 1, DGRAM 2, SEQPACKET 5.
+_TYPE = "(type & 0xfff7f7ff)"
+#: EPERM (1), EPROTONOSUPPORT (93), ESOCKTNOSUPPORT (94) or EAFNOSUPPORT (97) for these arguments.
+#: Sockets: families AF_UNIX, AF_INET and AF_INET6; types STREAM and DGRAM (SEQPACKET too on AF_UNIX,
+#: which the zygote's own channels use); protocols 0, IPPROTO_TCP (6) and IPPROTO_UDP (17) only, so
+#: that the kernel never loads or parses a rarely used protocol (UDP-Lite, SCTP, DCCP, L2TP, SMC, raw,
+#: ping) for a jail. ioctl: FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR.
 REFUSED_WHEN = {
-    97: ("socket(family) { family != 1 && family != 2 && family != 10 }",
-         "socketpair(family) { family != 1 }"),
+    97: ("socket(family, type, protocol) { family != 1 && family != 2 && family != 10 }",
+         "socketpair(family, type, protocol) { family != 1 }"),
+    94: (f"socket(family, type, protocol) {{ {_TYPE} != 1 && {_TYPE} != 2 && ({_TYPE} != 5 || family != 1) }}",
+         f"socketpair(family, type, protocol) {{ {_TYPE} != 1 && {_TYPE} != 2 && {_TYPE} != 5 }}"),
+    93: ("socket(family, type, protocol) { protocol != 0 && protocol != 6 && protocol != 17 }",
+         "socketpair(family, type, protocol) { protocol != 0 }"),
     1: ("prlimit64(pid) { pid != 0 }", "sched_setaffinity(pid) { pid != 0 }",
         "sched_setscheduler(pid) { pid != 0 }", "sched_setparam(pid) { pid != 0 }",
         "sched_setattr(pid) { pid != 0 }", "setpriority(which, who) { which != 0 || who != 0 }",
