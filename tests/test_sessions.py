@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -518,6 +519,33 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
         assert over.status_code == 422 and "wall_s" in over.text
         for s in (fid, bare.json()["session_id"]):
             assert (await c.delete(f"/v1/sessions/{s}")).status_code == 204
+
+
+#: Ids no worker made: a non-ASCII MAC, digits int() would take (Arabic-Indic, "0x", "_", spaces),
+#: other lengths and shapes, a NUL.
+MALFORMED_IDS = ["1a.1.\u00e9", "1a.1.\u00e9" * 3, "\u0661\u0662.1.AAAAAAAAAAAAAAAAAAAAAAAA",
+                 "0x1a.1.AAAAAAAAAAAAAAAAAAAAAAAA", "1_a.1.AAAAAAAAAAAAAAAAAAAAAAAA", " 1a.1.AAAAAAAAAAAAAAAAAAAAAAAA",
+                 "1a.1.AAAAAAAAAAAAAAAAAAAAAAA=", "1a.1.2.3", "1a..", "a..b", "\x00", "f" * 150 + ".1.x", "1a.1.\udcff"]
+
+
+async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> None:
+    async with serving(app_for(pool)) as url, httpx.AsyncClient(base_url=url) as c:
+        for sid in MALFORMED_IDS:
+            path = "/v1/sessions/" + quote(sid.encode("utf-8", "surrogatepass"), safe="")
+            for method, suffix, body in (("GET", "", None), ("DELETE", "", None), ("POST", "/fork", None),
+                                         ("POST", "/execute", {"code": "1"})):
+                got = await c.request(method, path + suffix, json=body)
+                assert got.status_code == 404, (sid, method, suffix, got.text)
+            if "\udcff" in sid:
+                continue  # not valid UTF-8: JSON cannot carry it
+            one = await c.post("/v1/execute", json={"code": "1", "session": sid})
+            assert one.status_code == 404 and "no session" in one.text, (sid, one.text)
+            batch = await c.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": sid}]})
+            [result] = batch.json()["results"]
+            assert result["status"] == "rejected" and result["message"].startswith("no session"), (sid, result)
+    for sid in MALFORMED_IDS[:-1]:  # and through the pool itself (a lone surrogate is no Text)
+        r = await cell(pool, sid, "1")
+        assert r.status == "rejected" and (r.message or "").startswith("no session"), (sid, r)
 
 
 async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:

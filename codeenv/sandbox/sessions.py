@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -73,6 +74,9 @@ ENDED_KEPT = 100_000
 CELL_IDS_KEPT = 64
 #: Processes a family's supervisor and idle sessions need on top of a cell's own.
 FAMILY_PIDS = 4
+#: What `_new_id` makes: epoch and counter in hex, then the MAC (18 bytes, URL-safe base64). Anything
+#: else (another alphabet, non-ASCII digits that int() would take, a longer number) never existed.
+SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
 
 
 @dataclass
@@ -302,13 +306,10 @@ class SessionManager:
         why = self._ended.get(session_id)
         if why is not None:
             raise session_lost(session_id, why)
-        parts = session_id.split(".")
-        if len(parts) == 3:
-            try:
-                epoch, counter = int(parts[0], 16), int(parts[1], 16)
-            except ValueError:
-                raise session_not_found(session_id) from None
-            if hmac.compare_digest(parts[2], self._mac(epoch, counter)):
+        shape = SESSION_ID.fullmatch(session_id)
+        if shape is not None:
+            epoch, counter = int(shape[1], 16), int(shape[2], 16)
+            if hmac.compare_digest(shape[3].encode(), self._mac(epoch, counter).encode()):
                 if epoch != self.epoch:
                     raise session_lost(session_id, "its worker restarted")
                 raise session_lost(session_id, "it ended")
