@@ -11,7 +11,7 @@ import pytest
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox import seccomp
 from codeenv.sandbox.cgroups import CgroupLayout
-from codeenv.sandbox.sizing import socket_memory_limit
+from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.syscall_audit import PROBES, logged_calls
 from tests.conftest import Runner, until
 
@@ -302,6 +302,9 @@ def test_all_slots_socket_buffers_stay_below_half_the_hosts_tcp_pressure(tmp_pat
     assert socket_memory_limit(settings, tcp_mem) * 4 <= 50 << 20
     assert socket_memory_limit(SandboxSettings(slots=1, socket_memory_mb=8), tcp_mem) == 8 << 20
     assert socket_memory_limit(settings, tmp_path / "missing") == 64 << 20
+    # Session families together: a quarter of the pressure, on top of the slots' half.
+    assert families_socket_memory_limit(settings, tcp_mem) == 25 << 20
+    assert families_socket_memory_limit(SandboxSettings(sessions_max=1, socket_memory_mb=8), tcp_mem) == 8 << 20
 
 
 # --- nothing of a call survives into the next call in the same slot -------------------------------

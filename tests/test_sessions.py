@@ -21,10 +21,12 @@ from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
 from codeenv.errors import SandboxError, SessionError
 from codeenv.queue.redis import RedisQueue
-from codeenv.sandbox.sessions import Family, Session, SessionManager
+from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
+from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.uids import uids_in_use
 from codeenv.settings import GatewaySettings
 from tests.conftest import SharedPoolQueue, serving, until
+from tests.test_hardening import SOCKET_FLOOD
 
 pytestmark = pytest.mark.jail
 
@@ -53,7 +55,7 @@ async def cell(pool: SlotPool, session: Session | str, code: str, **limits: Any)
 def traces(m: SessionManager, session: Session) -> dict[str, Any]:
     """What of a session's family can be seen from outside: processes under its host uid, its cgroup."""
     uid = m.family_uid + session.family.uid_index
-    cgroups = [d for d in m.tree.bases.values() if (d / f"family{session.family.fid}").exists()]
+    cgroups = [d for d in m.tree.bases.values() if (d / FAMILIES_GROUP / f"family{session.family.fid}").exists()]
     return {"processes": [pid for u, pid in uids_in_use().items() if u == uid], "cgroups": cgroups}
 
 
@@ -329,6 +331,36 @@ async def test_a_restarted_worker_answers_its_old_sessions_lost(tmp_path: Path) 
     async with SlotPool(settings) as second:
         result = await cell(second, s.id, "x")
         assert result.status == "session_lost" and "restarted" in (result.message or "")
+
+
+KEEP_FLOODING = """
+more = 0
+for c in conns[::2]:
+    while more < (512 << 20):
+        try:
+            more += c.send(chunk)
+        except OSError:
+            break
+print(more >> 20)
+"""
+
+
+async def test_a_familys_socket_buffers_are_capped_across_its_cells(pool: SlotPool) -> None:
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        if m.tree.version == 1:  # set on every group of the family before its first process
+            limits = [int((d / "memory.kmem.tcp.limit_in_bytes").read_text()) for d in (
+                m.tree.bases["memory"] / FAMILIES_GROUP, *(Path(g.memory) for g in (  # type: ignore[attr-defined]
+                    s.family.cgroup, s.family.main, s.family.cell)))]
+            assert limits == [families_socket_memory_limit(m.settings)] + [socket_memory_limit(m.settings)] * 3
+        first = await cell(pool, s, SOCKET_FLOOD, wall_s=30, memory_mb=128)
+        assert first.status == "ok" and not first.rolled_back, first
+        # The next cell finds the first one's sockets (and their buffers) and tries to queue more.
+        second = await cell(pool, s, KEEP_FLOODING, wall_s=30, memory_mb=128)
+        assert second.status == "ok", second
+        queued_mb = int(first.stdout) + int(second.stdout)
+    cap_mb = socket_memory_limit(m.settings) >> 20 if m.tree.version == 1 else m.settings.session_memory_mb
+    assert queued_mb <= cap_mb + 16, (first.stdout, second.stdout, cap_mb)
 
 
 # --- isolation ----------------------------------------------------------------------------------

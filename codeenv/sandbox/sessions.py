@@ -48,7 +48,7 @@ from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
-from codeenv.sandbox.sizing import meminfo_bytes
+from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
@@ -74,6 +74,9 @@ ENDED_KEPT = 100_000
 CELL_IDS_KEPT = 64
 #: Processes a family's supervisor and idle sessions need on top of a cell's own.
 FAMILY_PIDS = 4
+#: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
+#: main and cell.
+FAMILIES_GROUP = "families"
 #: What `_new_id` makes: epoch and counter in hex, then the MAC (18 bytes, URL-safe base64). Anything
 #: else (another alphabet, non-ASCII digits that int() would take, a longer number) never existed.
 SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
@@ -287,6 +290,7 @@ class SessionManager:
         self._reaper: asyncio.Task[None] | None = None
         self._spares: dict[str, asyncio.Task[Family]] = {}
         self._closing = False
+        self._families: JailCgroup | None = None
 
     # --- ids ------------------------------------------------------------------------------------
 
@@ -337,6 +341,9 @@ class SessionManager:
             await jail.stop()
             await asyncio.to_thread(jail.cgroup.remove)
         self.jails = {}
+        if self._families is not None:
+            await asyncio.to_thread(self._families.remove)
+            self._families = None
 
     async def _jail(self, profile: Profile) -> SessionJail:
         async with self._jail_lock:
@@ -400,6 +407,16 @@ class SessionManager:
         self.sessions[session.id] = session
         return session
 
+    def _families_group(self) -> JailCgroup:
+        """The common parent group of every family of this worker (made with the first family): its
+        socket buffer cap bounds all families' together."""
+        if self._families is None:
+            self._families = self.tree.group(FAMILIES_GROUP)
+            self._families.delegate()
+            if not self._families.set_socket_memory_limit(families_socket_memory_limit(self.settings)):
+                logger.debug("this kernel cannot cap session families' socket buffers on cgroup v1")
+        return self._families
+
     async def _take_spare(self, profile: Profile) -> Family | None:
         """The family made ahead of demand for `profile`, if it is (or becomes) ready and alive."""
         task = self._spares.pop(profile.name, None)
@@ -431,13 +448,19 @@ class SessionManager:
         groups: list[JailCgroup] = []
         try:
             jail = await self._jail(profile)
-            groups.append(cgroup := self.tree.group(f"family{fid}"))
+            parent = self._families_group()
+            groups.append(cgroup := self.tree.group(f"{parent.name}/family{fid}"))
             memory_cap = s.session_memory_mb << 20
             cgroup.set_memory_limit(memory_cap)
             cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
             cgroup.set_cpu_limit(s.cpus_per_call)
             cgroup.delegate()
-            groups += [self.tree.group(f"family{fid}/main"), self.tree.group(f"family{fid}/cell")]
+            groups += [self.tree.group(f"{cgroup.name}/main"), self.tree.group(f"{cgroup.name}/cell")]
+            # Before the family's first process, so before its first socket (cgroup v1 charges a
+            # socket to its creator's group only if that group has a TCP limit, and to nothing
+            # otherwise): the family's cap, which counts in the families' common one.
+            for group in groups:
+                group.set_socket_memory_limit(socket_memory_limit(s))
             sock, pidfd = await jail.create(fid, uid_index)
         except BaseException:
             for group in reversed(groups):
