@@ -32,8 +32,6 @@ except OSError as e:
 KILLED = {
     "io_setup (legacy AIO)": "libc.syscall(206, 1, ctypes.byref(ctypes.c_ulong(0)))",
     "syslog": "libc.syscall(103, 10, 0, 0)",
-    "keyctl": "libc.syscall(250, 0, 0, 0, 0, 0)",
-    "add_key": "libc.syscall(248, b'user', b'k', b'v', 1, -2)",
     "shmget": "libc.syscall(29, 0, 4096, 0o1600)",
     "semget": "libc.syscall(64, 0, 1, 0o1600)",
     "msgget": "libc.syscall(68, 0, 0o1600)",
@@ -56,7 +54,6 @@ KILLED = {
     "pivot_root": "libc.syscall(155, b'/work', b'/work')",
     "unshare(CLONE_NEWUSER)": "libc.syscall(272, 0x10000000)",
     "clone with CLONE_NEWPID": "libc.syscall(56, 0x20000000 | 17, 0, 0, 0, 0)",
-    "request_key": "libc.syscall(249, b'user', b'k', 0, 0)",
     "semop": "libc.syscall(65, 0, 0, 0)",
     "io_submit": "libc.syscall(209, 0, 0, 0)",
     "kexec_load": "libc.syscall(246, 0, 0, 0, 0)",
@@ -79,6 +76,13 @@ REFUSED = {
     "clock_settime": ("libc.syscall(227, 0, 0)", 38),
     "removexattr": ("libc.syscall(197, b'/work', b'user.x')", 38),
     "fanotify_init": ("libc.syscall(300, 0, 0)", 38),
+    "fanotify_mark": ("libc.syscall(301, 0, 0, 0, 0, 0)", 38),
+    "inotify_init1": ("libc.syscall(294, 0)", 38),
+    "inotify_init": ("libc.syscall(253)", 38),
+    "inotify_add_watch": ("libc.syscall(254, 0, b'/', 0xfff)", 38),
+    "keyctl": ("libc.syscall(250, 0, 0, 0, 0, 0)", 38),
+    "add_key": ("libc.syscall(248, b'user', b'k', b'v', 1, -2)", 38),
+    "request_key": ("libc.syscall(249, b'user', b'k', 0, 0)", 38),
     "process_madvise": ("libc.syscall(440, 0, 0, 0, 0, 0)", 38),
     "AF_NETLINK": ("socket.socket(16, socket.SOCK_RAW, 0)", 97),
     "AF_PACKET": ("socket.socket(17, socket.SOCK_RAW, 0)", 97),
@@ -172,7 +176,7 @@ def test_the_policy_is_data_and_compiles_in_every_mode() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name", ["clone3", "io_setup", "ptrace"])
+@pytest.mark.parametrize("name", ["clone3", "io_setup", "ptrace", "inotify_init1", "keyctl"])
 def test_an_allowlist_cannot_allow_what_the_policy_refuses(tmp_path: Path, name: str) -> None:
     from codeenv.errors import ImageError
 

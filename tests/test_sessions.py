@@ -436,6 +436,8 @@ print(sorted(os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdi
 
 @pytest.mark.parametrize("code, status", [
     ("import os\nos.unshare(os.CLONE_NEWNET)", "killed"),
+    ("import os\nos.unshare(os.CLONE_NEWUSER)", "killed"),
+    ("import ctypes\nctypes.CDLL(None).syscall(56, 0x10000000 | 17, 0, 0, 0, 0)", "killed"),  # clone(NEWUSER)
     ("import ctypes\nctypes.CDLL(None).mount(b'none', b'/work', b'tmpfs', 0, None)", "killed"),
     ("import os\nos.setresuid(0, 0, 0)", "error"),
     ("import os\nos.setgroups([])", "error"),

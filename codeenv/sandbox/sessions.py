@@ -753,7 +753,9 @@ class SessionManager:
                 family.move(cell.procs(), family.main)
             except SandboxError as exc:
                 unconfined = unconfined or str(exc)
-        cpu1 = cg.cpu_usage_ns()
+        cpu1 = None
+        with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
+            cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
             why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
