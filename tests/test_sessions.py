@@ -20,6 +20,7 @@ from codeenv.api import create_app
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
 from codeenv.errors import SandboxError, SessionError
+from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
 from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
@@ -513,8 +514,13 @@ def app_for(pool: SlotPool, **settings: Any) -> Any:
     return create_app(gateway_settings, SharedPoolQueue(pool, gateway_settings.max_queued))
 
 
+#: A client's session key (the header every request about its sessions carries).
+KEY = {SESSION_KEY_HEADER: "a-key-of-this-test-client"}
+
+
 async def test_the_session_endpoints(pool: SlotPool) -> None:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost",
+                                 headers=KEY) as c:
         created = await c.post("/v1/sessions", json={"profile": "light", "limits": {"wall_s": 5}})
         assert created.status_code == 201, created.text
         sid = created.json()["session_id"]
@@ -563,7 +569,7 @@ MALFORMED_IDS = ["1a.1.\u00e9", "1a.1.\u00e9" * 3, "\u0661\u0662.1.AAAAAAAAAAAAA
 
 
 async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> None:
-    async with serving(app_for(pool)) as url, httpx.AsyncClient(base_url=url) as c:
+    async with serving(app_for(pool)) as url, httpx.AsyncClient(base_url=url, headers=KEY) as c:
         for sid in MALFORMED_IDS:
             path = "/v1/sessions/" + quote(sid.encode("utf-8", "surrogatepass"), safe="")
             for method, suffix, body in (("GET", "", None), ("DELETE", "", None), ("POST", "/fork", None),
@@ -584,7 +590,8 @@ async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> Non
 
 async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
     app = app_for(pool, token="sesame-sesame-sesame")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
+                                 headers=KEY) as c:
         assert (await c.post("/v1/sessions", json={})).status_code == 401
         assert (await c.get("/v1/sessions")).status_code == 401
         token = {"authorization": "Bearer sesame-sesame-sesame"}

@@ -132,6 +132,7 @@ class Session:
     id: str
     index: int  # its number in the family (the supervisor's sid)
     family: Family
+    owner: bytes  # the hash of its creator's session key (its forks': the same)
     profile: str
     idle_ttl_s: float
     limits: Limits
@@ -294,29 +295,29 @@ class SessionManager:
 
     # --- ids ------------------------------------------------------------------------------------
 
-    def _mac(self, epoch: int, counter: int) -> str:
-        digest = hmac.new(self._key, f"{epoch:x}.{counter:x}".encode(), hashlib.sha256).digest()[:18]
+    def _mac(self, epoch: int, counter: int, owner: bytes) -> str:
+        digest = hmac.new(self._key, f"{epoch:x}.{counter:x}.".encode() + owner, hashlib.sha256).digest()[:18]
         return base64.urlsafe_b64encode(digest).decode()
 
-    def _new_id(self) -> str:
+    def _new_id(self, owner: bytes) -> str:
         counter = next(self._counter)
-        return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter)}"
+        return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter, owner)}"
 
-    def lookup(self, session_id: str) -> Session:
-        """The live session `session_id`; SessionError 404 if it never existed, 410 if it ended."""
+    def lookup(self, session_id: str, owner: bytes = b"") -> Session:
+        """The live session `session_id` of `owner` (the hash of its creator's key); SessionError 404
+        if it never existed or is another owner's (the same answer), 410 if it ended. The id's MAC
+        covers the owner, so that even an ended session's id tells another owner nothing."""
         session = self.sessions.get(session_id)
-        if session is not None:
+        if session is not None and hmac.compare_digest(session.owner, owner):
             return session
-        why = self._ended.get(session_id)
-        if why is not None:
-            raise session_lost(session_id, why)
         shape = SESSION_ID.fullmatch(session_id)
         if shape is not None:
             epoch, counter = int(shape[1], 16), int(shape[2], 16)
-            if hmac.compare_digest(shape[3].encode(), self._mac(epoch, counter).encode()):
-                if epoch != self.epoch:
-                    raise session_lost(session_id, "its worker restarted")
-                raise session_lost(session_id, "it ended")
+            if hmac.compare_digest(shape[3].encode(), self._mac(epoch, counter, owner).encode()):
+                why = self._ended.get(session_id)
+                if why is None:
+                    why = "its worker restarted" if epoch != self.epoch else "it ended"
+                raise session_lost(session_id, why)
         raise session_not_found(session_id)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -373,9 +374,10 @@ class SessionManager:
             raise InvalidRequest(str(exc)) from None
 
     async def create(self, profile_name: str | None = None, limits: Limits | None = None,
-                     idle_ttl_s: float | None = None) -> Session:
-        """A new session (and family). InvalidRequest for a bad profile or limits; SessionError 429
-        when the worker holds as many as it may (or is short of memory with every session busy)."""
+                     idle_ttl_s: float | None = None, owner: bytes = b"") -> Session:
+        """A new session (and family) of `owner` (the hash of its creator's key). InvalidRequest for a
+        bad profile or limits; SessionError 429 when the worker holds as many as it may (or is short
+        of memory with every session busy)."""
         s = self.settings
         if s.sessions_max == 0:
             raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
@@ -401,8 +403,9 @@ class SessionManager:
         if family is None:
             family = await self._start_family(profile)
         self._refill(profile)
-        session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
-        logger.debug("session %s started (family %d, %s)", session.id, family.fid, profile.name)
+        session = Session(self._new_id(owner), 0, family, owner, profile.name, idle_ttl_s or s.session_idle_ttl_s,
+                          limits)
+        logger.debug("session family %d started (%s)", family.fid, profile.name)  # ids are secrets: never logged
         family.sessions[0] = session
         self.sessions[session.id] = session
         return session
@@ -532,8 +535,8 @@ class SessionManager:
             if not fut.done():
                 fut.cancel()
 
-    async def delete(self, session_id: str) -> None:
-        session = self.lookup(session_id)
+    async def delete(self, session_id: str, owner: bytes = b"") -> None:
+        session = self.lookup(session_id, owner)
         await self._close(session, "it was deleted")
 
     async def _close(self, session: Session, why: str) -> None:
@@ -550,10 +553,11 @@ class SessionManager:
                 await self._ask(family, {"op": "close", "sid": session.index}, "closed",
                                 self.settings.control_timeout_s + self.settings.cleanup_timeout_s)
 
-    async def fork(self, session_id: str) -> Session:
-        """A new session in the same family, from this one's state (after its running cell, if any)."""
+    async def fork(self, session_id: str, owner: bytes = b"") -> Session:
+        """A new session in the same family (and of the same owner), from this one's state (after its
+        running cell, if any)."""
         s = self.settings
-        session = self.lookup(session_id)
+        session = self.lookup(session_id, owner)
         family = session.family
         if len(family.sessions) >= s.session_forks_max:
             raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
@@ -572,8 +576,8 @@ class SessionManager:
                                       s.control_timeout_s + s.cleanup_timeout_s)
                 if got.get("ok") is not True:
                     raise SessionError("the session could not be forked (its process is gone)", 410)
-                child = Session(self._new_id(), index, family, session.profile, session.idle_ttl_s, session.limits,
-                                cells=session.cells)
+                child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
+                                session.idle_ttl_s, session.limits, cells=session.cells)
                 family.sessions[index] = child
                 self.sessions[child.id] = child
                 return child
@@ -628,7 +632,7 @@ class SessionManager:
 
     async def _execute(self, request: ExecRequest, queued: float) -> ExecResult:
         assert request.session is not None
-        session = self.lookup(request.session)
+        session = self.lookup(request.session, request._owner)
         if session.limits != Limits():
             merged = {**session.limits.model_dump(exclude_none=True), **request.limits.model_dump(exclude_none=True)}
             request = request.model_copy(update={"limits": Limits(**merged)})
@@ -759,7 +763,7 @@ class SessionManager:
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
             why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
-            logger.error("session %s: %s", session.id, why)
+            logger.error("session family %d: %s", family.fid, why)
             await self._end_family(family, why)
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
@@ -797,8 +801,9 @@ class SessionManager:
 
     # --- views ----------------------------------------------------------------------------------
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [s.describe() for s in self.sessions.values()]
+    def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
+        """The live sessions of `owner`, and no one else's."""
+        return [s.describe() for s in self.sessions.values() if hmac.compare_digest(s.owner, owner)]
 
 
 def _exited(pidfd: int) -> bool:
