@@ -197,6 +197,12 @@ class GatewaySettings(QueueSettings):
         default_factory=list, description="web origins (scheme://host[:port]) whose pages may call the service",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
+    body_timeout_s: float = Field(30, gt=0, le=3600, allow_inf_nan=False,
+                                  description="a request body not all received this long after its request began "
+                                              "is answered 408 and its connection closed (a stalled client holds "
+                                              "no fd past it)")
+    max_connections: int = Field(2048, ge=1, description="connections and requests one gateway process serves at "
+                                                         "once (uvicorn's limit_concurrency); more get 503")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
     local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) on this host")
