@@ -105,7 +105,11 @@ class SandboxSettings(BaseSettings):
     judge_max_total_wall_s: float = Field(900, gt=0, description="most wall-clock seconds for all tests of one "
                                                                  "judged submission")
     sessions_max: int = Field(1000, ge=0, le=50_000, description="live sessions (forks included) a worker may "
-                              "hold; past it a new one is overloaded. 0: no sessions")
+                              "hold; past it a new one is overloaded. 0: no sessions. Left at its default, it is "
+                              "lowered at start to what the host's fds, memory, pids, memory cgroup ids and "
+                              "root's signal quota allow; set above that, the worker refuses to start")
+    session_client_max: int | None = Field(None, ge=1, description="live sessions one client (one session key) "
+                                           "may hold; past it its new ones are overloaded (default: sessions_max)")
     session_profile: str | None = Field("math", description="profile a session forks from unless it names one "
                                         "(default: math; an image without it: its fullest profile)")
     session_spares: bool = Field(True, description="keep one family per profile started ahead of demand, so "

