@@ -34,7 +34,7 @@ from codeenv.judge import judge
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.budget import session_budget
-from codeenv.sandbox.cgroups import CgroupTree
+from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
@@ -538,7 +538,7 @@ def _remove_stale_runtime(runtime_dir: Path) -> None:
         return
     for d in runtime_dir.glob("codeenv-*"):
         pid = d.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not owner_alive(int(pid), d):
             shutil.rmtree(d, ignore_errors=True)
 
 
