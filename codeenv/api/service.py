@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from codeenv.api.contract import SESSION_KEY_PATHS
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
 from codeenv.errors import ID_TAKEN, NO_SESSION, ApiError, InvalidRequest
@@ -153,9 +154,14 @@ def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> li
 
 
 def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
-    """Each session cell of `calls` asks as the owner of the request's session key."""
-    if any(call.session is not None for call in calls):
-        who = owner(session_key(request))
+    """Each session cell of `calls` asks as the owner of the request's session key (a malformed key
+    is a 422 whether or not a call names a session: the document declares the header)."""
+    named = any(call.session is not None for call in calls)
+    if not named and not request.url.path.startswith(SESSION_KEY_PATHS):
+        return
+    key = session_key(request)
+    if named:
+        who = owner(key)
         for call in calls:
             call._owner = who
 
@@ -170,9 +176,9 @@ class Gateway:
 
     async def answer(self, request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         """One result per call, in order; a client that hangs up cancels its unstarted calls."""
+        bind_owner(request, requests)
         if not requests:
             return []
-        bind_owner(request, requests)
         self.metrics.in_flight.inc(len(requests))
         started = request.scope.get(ACCEPTED, time.monotonic())
         gone = asyncio.Event()

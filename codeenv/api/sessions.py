@@ -158,7 +158,7 @@ def router(gateway: Gateway) -> APIRouter:
         return _answer(result)
 
     @api.post(PREFIX + "/{session_id}/fork", status_code=201, response_model=SessionInfo, responses={
-        **{k: v for k, v in ERRORS.items() if k not in (422, 503)},
+        **{k: v for k, v in ERRORS.items() if k != 503},
         409: {"description": "its family holds as many sessions as one may"}})
     async def fork(session_id: str, request: Request) -> Response:
         """A new session from this one's current state (copy-on-write; its work dir is copied), the
