@@ -22,6 +22,11 @@ else:  # the client side runs on 3.10 too: the same behaviour, what StrEnum adds
             return str(self.value)
 
 
+#: The header that names who a session belongs to: a secret of the client's (16 to 256 visible ASCII
+#: characters), sent with every request about its sessions. The server keeps only its hash.
+SESSION_KEY_HEADER = "x-codeenv-session-key"
+
+
 class Status(StrEnum):
     """How a call ended. Only `internal_error` and `overloaded` are the service's doing."""
 
@@ -178,6 +183,10 @@ class ExecRequest(BaseModel):
     cell_id: Text | None = Field(None, max_length=128, description="with session: a retried cell with the same "
                                                                   "id gets the first one's result, never runs twice")
 
+    #: With `session`: who asks (the hash of the X-Codeenv-Session-Key the gateway received; b"" for
+    #: in-process callers). Never on the wire: the gateway sets it from the request's header.
+    _owner: bytes = PrivateAttr(b"")
+
     @model_validator(mode="after")
     def _session_cell(self) -> ExecRequest:
         if self.cell_id is not None and self.session is None:
@@ -225,7 +234,11 @@ class SessionCell(BaseModel):
 class SessionInfo(BaseModel):
     """A live session."""
 
-    session_id: str = Field(description="unguessable; whoever holds it (and the token, if one is set) may use it")
+    session_id: str = Field(description="unguessable; usable only with the X-Codeenv-Session-Key it was created "
+                                        "with (and the token, if one is set)")
+    session_key: str | None = Field(None, description="only in the answer to a POST /v1/sessions sent without an "
+                                                      "X-Codeenv-Session-Key header: the key made for it, to send "
+                                                      "in that header with every request about it")
     profile: str
     age_s: float
     idle_s: float

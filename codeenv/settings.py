@@ -105,7 +105,11 @@ class SandboxSettings(BaseSettings):
     judge_max_total_wall_s: float = Field(900, gt=0, description="most wall-clock seconds for all tests of one "
                                                                  "judged submission")
     sessions_max: int = Field(1000, ge=0, le=50_000, description="live sessions (forks included) a worker may "
-                              "hold; past it a new one is overloaded. 0: no sessions")
+                              "hold; past it a new one is overloaded. 0: no sessions. Left at its default, it is "
+                              "lowered at start to what the host's fds, memory, pids, memory cgroup ids and "
+                              "root's signal quota allow; set above that, the worker refuses to start")
+    session_client_max: int | None = Field(None, ge=1, description="live sessions one client (one session key) "
+                                           "may hold; past it its new ones are overloaded (default: sessions_max)")
     session_profile: str | None = Field("math", description="profile a session forks from unless it names one "
                                         "(default: math; an image without it: its fullest profile)")
     session_spares: bool = Field(True, description="keep one family per profile started ahead of demand, so "
@@ -197,6 +201,12 @@ class GatewaySettings(QueueSettings):
         default_factory=list, description="web origins (scheme://host[:port]) whose pages may call the service",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
+    body_timeout_s: float = Field(30, gt=0, le=3600, allow_inf_nan=False,
+                                  description="a request body not all received this long after its request began "
+                                              "is answered 408 and its connection closed (a stalled client holds "
+                                              "no fd past it)")
+    max_connections: int = Field(2048, ge=1, description="connections and requests one gateway process serves at "
+                                                         "once (uvicorn's limit_concurrency); more get 503")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
     local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) on this host")

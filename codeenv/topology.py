@@ -143,7 +143,8 @@ def run_gateway(settings: GatewaySettings, given: Mapping[str, object], log_leve
 
     if settings.processes == 1:
         uvicorn.run(gateway_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                    limit_concurrency=settings.max_connections)
         return
     _serve_processes(settings, given, log_level, log_format)
 
@@ -262,7 +263,8 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
         uvicorn.run("codeenv.topology:app_from_env", factory=True, workers=settings.processes, host=settings.host,
                     port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s))
+                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                    limit_concurrency=settings.max_connections)
     finally:
         if supervisor is not None:
             supervisor.stop(settings.shutdown_grace_s + 30)

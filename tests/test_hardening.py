@@ -11,7 +11,7 @@ import pytest
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.sandbox import seccomp
 from codeenv.sandbox.cgroups import CgroupLayout
-from codeenv.sandbox.sizing import socket_memory_limit
+from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.syscall_audit import PROBES, logged_calls
 from tests.conftest import Runner, until
 
@@ -32,8 +32,6 @@ except OSError as e:
 KILLED = {
     "io_setup (legacy AIO)": "libc.syscall(206, 1, ctypes.byref(ctypes.c_ulong(0)))",
     "syslog": "libc.syscall(103, 10, 0, 0)",
-    "keyctl": "libc.syscall(250, 0, 0, 0, 0, 0)",
-    "add_key": "libc.syscall(248, b'user', b'k', b'v', 1, -2)",
     "shmget": "libc.syscall(29, 0, 4096, 0o1600)",
     "semget": "libc.syscall(64, 0, 1, 0o1600)",
     "msgget": "libc.syscall(68, 0, 0o1600)",
@@ -56,7 +54,6 @@ KILLED = {
     "pivot_root": "libc.syscall(155, b'/work', b'/work')",
     "unshare(CLONE_NEWUSER)": "libc.syscall(272, 0x10000000)",
     "clone with CLONE_NEWPID": "libc.syscall(56, 0x20000000 | 17, 0, 0, 0, 0)",
-    "request_key": "libc.syscall(249, b'user', b'k', 0, 0)",
     "semop": "libc.syscall(65, 0, 0, 0)",
     "io_submit": "libc.syscall(209, 0, 0, 0)",
     "kexec_load": "libc.syscall(246, 0, 0, 0, 0)",
@@ -79,6 +76,13 @@ REFUSED = {
     "clock_settime": ("libc.syscall(227, 0, 0)", 38),
     "removexattr": ("libc.syscall(197, b'/work', b'user.x')", 38),
     "fanotify_init": ("libc.syscall(300, 0, 0)", 38),
+    "fanotify_mark": ("libc.syscall(301, 0, 0, 0, 0, 0)", 38),
+    "inotify_init1": ("libc.syscall(294, 0)", 38),
+    "inotify_init": ("libc.syscall(253)", 38),
+    "inotify_add_watch": ("libc.syscall(254, 0, b'/', 0xfff)", 38),
+    "keyctl": ("libc.syscall(250, 0, 0, 0, 0, 0)", 38),
+    "add_key": ("libc.syscall(248, b'user', b'k', b'v', 1, -2)", 38),
+    "request_key": ("libc.syscall(249, b'user', b'k', 0, 0)", 38),
     "process_madvise": ("libc.syscall(440, 0, 0, 0, 0, 0)", 38),
     "AF_NETLINK": ("socket.socket(16, socket.SOCK_RAW, 0)", 97),
     "AF_PACKET": ("socket.socket(17, socket.SOCK_RAW, 0)", 97),
@@ -86,6 +90,14 @@ REFUSED = {
     "AF_ALG": ("socket.socket(38, socket.SOCK_SEQPACKET, 0)", 97),
     "AF_KEY": ("socket.socket(15, socket.SOCK_RAW, 2)", 97),
     "AF_BLUETOOTH": ("socket.socket(31, socket.SOCK_STREAM, 0)", 97),
+    "IPPROTO_UDPLITE": ("socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 136)", 93),
+    "IPPROTO_UDPLITE on AF_INET6": ("socket.socket(socket.AF_INET6, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 136)", 93),
+    "IPPROTO_SCTP": ("socket.socket(socket.AF_INET, socket.SOCK_STREAM, 132)", 93),
+    "ping socket (IPPROTO_ICMP)": ("socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)", 93),
+    "SOCK_RAW": ("socket.socket(socket.AF_INET, socket.SOCK_RAW, 255)", 94),
+    "SOCK_SEQPACKET (SCTP)": ("socket.socket(socket.AF_INET, socket.SOCK_SEQPACKET, 0)", 94),
+    "SOCK_DCCP": ("socket.socket(socket.AF_INET, 6, 0)", 94),
+    "socketpair with a protocol": ("socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM, 1)", 93),
     "prlimit64 of another process": ("libc.syscall(302, 1, 7, 0, 0)", 1),
     "chattr (FS_IOC_SETFLAGS)": ("libc.syscall(16, open('f', 'w').fileno(), 0x40086602, "
                                  "ctypes.byref(ctypes.c_long(0x10)))", 1),
@@ -125,6 +137,27 @@ async def test_calls_outside_the_allowlist_are_refused(run: Runner, name: str) -
 
 
 @pytest.mark.jail
+async def test_tcp_udp_and_unix_sockets_still_work(run: Runner) -> None:
+    code = (
+        "import socket\n"
+        "for proto in (0, socket.IPPROTO_TCP):\n"
+        "    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC, proto)\n"
+        "    server.bind(('127.0.0.1', 0)); server.listen()\n"
+        "    client = socket.create_connection(server.getsockname())\n"
+        "    peer, _ = server.accept(); client.sendall(b'tcp'); print(peer.recv(3).decode())\n"
+        "for proto in (0, socket.IPPROTO_UDP):\n"
+        "    a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK, proto)\n"
+        "    a.bind(('127.0.0.1', 0)); a.setblocking(True)\n"
+        "    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, proto); b.sendto(b'udp', a.getsockname())\n"
+        "    print(a.recv(3).decode())\n"
+        "for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):\n"
+        "    x, y = socket.socketpair(socket.AF_UNIX, kind); x.send(b'unix'); print(y.recv(4).decode())\n"
+    )
+    r = await run(code)
+    assert r.status == "ok" and r.stdout.split() == ["tcp", "tcp", "udp", "udp", "unix", "unix", "unix"], r
+
+
+@pytest.mark.jail
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PROBES))
 async def test_what_calls_use_still_works(run: Runner, name: str) -> None:
@@ -143,7 +176,7 @@ def test_the_policy_is_data_and_compiles_in_every_mode() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name", ["clone3", "io_setup", "ptrace"])
+@pytest.mark.parametrize("name", ["clone3", "io_setup", "ptrace", "inotify_init1", "keyctl"])
 def test_an_allowlist_cannot_allow_what_the_policy_refuses(tmp_path: Path, name: str) -> None:
     from codeenv.errors import ImageError
 
@@ -273,6 +306,9 @@ def test_all_slots_socket_buffers_stay_below_half_the_hosts_tcp_pressure(tmp_pat
     assert socket_memory_limit(settings, tcp_mem) * 4 <= 50 << 20
     assert socket_memory_limit(SandboxSettings(slots=1, socket_memory_mb=8), tcp_mem) == 8 << 20
     assert socket_memory_limit(settings, tmp_path / "missing") == 64 << 20
+    # Session families together: a quarter of the pressure, on top of the slots' half.
+    assert families_socket_memory_limit(settings, tcp_mem) == 25 << 20
+    assert families_socket_memory_limit(SandboxSettings(sessions_max=1, socket_memory_mb=8), tcp_mem) == 8 << 20
 
 
 # --- nothing of a call survives into the next call in the same slot -------------------------------

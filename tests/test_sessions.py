@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -19,11 +20,14 @@ from codeenv.api import create_app
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
 from codeenv.errors import SandboxError, SessionError
+from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
-from codeenv.sandbox.sessions import Family, Session, SessionManager
+from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
+from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.uids import uids_in_use
 from codeenv.settings import GatewaySettings
 from tests.conftest import SharedPoolQueue, serving, until
+from tests.test_hardening import SOCKET_FLOOD
 
 pytestmark = pytest.mark.jail
 
@@ -52,7 +56,7 @@ async def cell(pool: SlotPool, session: Session | str, code: str, **limits: Any)
 def traces(m: SessionManager, session: Session) -> dict[str, Any]:
     """What of a session's family can be seen from outside: processes under its host uid, its cgroup."""
     uid = m.family_uid + session.family.uid_index
-    cgroups = [d for d in m.tree.bases.values() if (d / f"family{session.family.fid}").exists()]
+    cgroups = [d for d in m.tree.bases.values() if (d / FAMILIES_GROUP / f"family{session.family.fid}").exists()]
     return {"processes": [pid for u, pid in uids_in_use().items() if u == uid], "cgroups": cgroups}
 
 
@@ -303,6 +307,26 @@ async def test_the_least_recently_used_idle_session_is_evicted_under_memory_pres
         assert "evicted" in str(pytest.raises(SessionError, m.lookup, s.id).value)
 
 
+async def test_eviction_takes_only_the_sessions_of_the_client_that_needs_room(
+        pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = manager(pool)
+    alice, bob = b"a" * 32, b"b" * 32
+    hers = await m.create("light", owner=alice)
+    his = await m.create("light", owner=bob)
+    try:
+        monkeypatch.setattr(m.settings, "session_min_available_mb", 1 << 30)  # more than any machine has
+        with pytest.raises(SessionError) as refused:  # bob's own idle session goes, then nothing of his is left
+            await m.create("light", owner=bob)
+        assert refused.value.status == 429 and "none of your sessions" in str(refused.value)
+        await gone(m, his)
+        assert m.lookup(hers.id, alice) is hers  # alice's is untouched
+        assert (await pool.run(ExecRequest(code="1", session=hers.id))).status == "rejected"  # not b"" 's
+    finally:
+        monkeypatch.undo()
+        if hers.id in m.sessions:
+            await m.delete(hers.id, alice)
+
+
 async def test_unknown_and_ended_ids_are_told_apart(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")
@@ -328,6 +352,36 @@ async def test_a_restarted_worker_answers_its_old_sessions_lost(tmp_path: Path) 
     async with SlotPool(settings) as second:
         result = await cell(second, s.id, "x")
         assert result.status == "session_lost" and "restarted" in (result.message or "")
+
+
+KEEP_FLOODING = """
+more = 0
+for c in conns[::2]:
+    while more < (512 << 20):
+        try:
+            more += c.send(chunk)
+        except OSError:
+            break
+print(more >> 20)
+"""
+
+
+async def test_a_familys_socket_buffers_are_capped_across_its_cells(pool: SlotPool) -> None:
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        if m.tree.version == 1:  # set on every group of the family before its first process
+            limits = [int((d / "memory.kmem.tcp.limit_in_bytes").read_text()) for d in (
+                m.tree.bases["memory"] / FAMILIES_GROUP, *(Path(g.memory) for g in (  # type: ignore[attr-defined]
+                    s.family.cgroup, s.family.main, s.family.cell)))]
+            assert limits == [families_socket_memory_limit(m.settings)] + [socket_memory_limit(m.settings)] * 3
+        first = await cell(pool, s, SOCKET_FLOOD, wall_s=30, memory_mb=128)
+        assert first.status == "ok" and not first.rolled_back, first
+        # The next cell finds the first one's sockets (and their buffers) and tries to queue more.
+        second = await cell(pool, s, KEEP_FLOODING, wall_s=30, memory_mb=128)
+        assert second.status == "ok", second
+        queued_mb = int(first.stdout) + int(second.stdout)
+    cap_mb = socket_memory_limit(m.settings) >> 20 if m.tree.version == 1 else m.settings.session_memory_mb
+    assert queued_mb <= cap_mb + 16, (first.stdout, second.stdout, cap_mb)
 
 
 # --- isolation ----------------------------------------------------------------------------------
@@ -403,6 +457,8 @@ print(sorted(os.stat('/proc/' + p).st_uid for p in os.listdir('/proc') if p.isdi
 
 @pytest.mark.parametrize("code, status", [
     ("import os\nos.unshare(os.CLONE_NEWNET)", "killed"),
+    ("import os\nos.unshare(os.CLONE_NEWUSER)", "killed"),
+    ("import ctypes\nctypes.CDLL(None).syscall(56, 0x10000000 | 17, 0, 0, 0, 0)", "killed"),  # clone(NEWUSER)
     ("import ctypes\nctypes.CDLL(None).mount(b'none', b'/work', b'tmpfs', 0, None)", "killed"),
     ("import os\nos.setresuid(0, 0, 0)", "error"),
     ("import os\nos.setgroups([])", "error"),
@@ -478,8 +534,13 @@ def app_for(pool: SlotPool, **settings: Any) -> Any:
     return create_app(gateway_settings, SharedPoolQueue(pool, gateway_settings.max_queued))
 
 
+#: A client's session key (the header every request about its sessions carries).
+KEY = {SESSION_KEY_HEADER: "a-key-of-this-test-client"}
+
+
 async def test_the_session_endpoints(pool: SlotPool) -> None:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost",
+                                 headers=KEY) as c:
         created = await c.post("/v1/sessions", json={"profile": "light", "limits": {"wall_s": 5}})
         assert created.status_code == 201, created.text
         sid = created.json()["session_id"]
@@ -520,9 +581,37 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
             assert (await c.delete(f"/v1/sessions/{s}")).status_code == 204
 
 
+#: Ids no worker made: a non-ASCII MAC, digits int() would take (Arabic-Indic, "0x", "_", spaces),
+#: other lengths and shapes, a NUL.
+MALFORMED_IDS = ["1a.1.\u00e9", "1a.1.\u00e9" * 3, "\u0661\u0662.1.AAAAAAAAAAAAAAAAAAAAAAAA",
+                 "0x1a.1.AAAAAAAAAAAAAAAAAAAAAAAA", "1_a.1.AAAAAAAAAAAAAAAAAAAAAAAA", " 1a.1.AAAAAAAAAAAAAAAAAAAAAAAA",
+                 "1a.1.AAAAAAAAAAAAAAAAAAAAAAA=", "1a.1.2.3", "1a..", "a..b", "\x00", "f" * 150 + ".1.x", "1a.1.\udcff"]
+
+
+async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> None:
+    async with serving(app_for(pool)) as url, httpx.AsyncClient(base_url=url, headers=KEY) as c:
+        for sid in MALFORMED_IDS:
+            path = "/v1/sessions/" + quote(sid.encode("utf-8", "surrogatepass"), safe="")
+            for method, suffix, body in (("GET", "", None), ("DELETE", "", None), ("POST", "/fork", None),
+                                         ("POST", "/execute", {"code": "1"})):
+                got = await c.request(method, path + suffix, json=body)
+                assert got.status_code == 404, (sid, method, suffix, got.text)
+            if "\udcff" in sid:
+                continue  # not valid UTF-8: JSON cannot carry it
+            one = await c.post("/v1/execute", json={"code": "1", "session": sid})
+            assert one.status_code == 404 and "no session" in one.text, (sid, one.text)
+            batch = await c.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": sid}]})
+            [result] = batch.json()["results"]
+            assert result["status"] == "rejected" and result["message"].startswith("no session"), (sid, result)
+    for sid in MALFORMED_IDS[:-1]:  # and through the pool itself (a lone surrogate is no Text)
+        r = await cell(pool, sid, "1")
+        assert r.status == "rejected" and (r.message or "").startswith("no session"), (sid, r)
+
+
 async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
     app = app_for(pool, token="sesame-sesame-sesame")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
+                                 headers=KEY) as c:
         assert (await c.post("/v1/sessions", json={})).status_code == 401
         assert (await c.get("/v1/sessions")).status_code == 401
         token = {"authorization": "Bearer sesame-sesame-sesame"}

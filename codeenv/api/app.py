@@ -74,6 +74,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     Redis worker sharing this process, started before the queue and stopped after it)."""
     metrics = Metrics(queue)
     gateway = Gateway(settings, queue, metrics)
+    sessions.redact_access_log()
 
     async def measure_lag() -> None:
         while True:

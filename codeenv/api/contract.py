@@ -162,6 +162,17 @@ def _without_sessions(schema: dict[str, Any], components: dict[str, Any]) -> Non
         execute.pop("allOf", None)
 
 
+#: The header that names whom sessions belong to (models.SESSION_KEY_HEADER), on the operations that
+#: reach a session: the session endpoints, and the calls that may name one.
+SESSION_KEY = {"name": "X-Codeenv-Session-Key", "in": "header", "required": False, "schema": {
+    "type": "string", "minLength": 16, "maxLength": 256, "pattern": "^[!-~]+$"},
+    "description": "whose sessions: a secret of yours, sent with every request about them (POST /v1/sessions "
+                   "without it makes one and returns it as session_key); another key gets 404"}
+SESSION_KEY_PATHS = ("/v1/sessions", "/v1/execute")
+BAD_SESSION_KEY = "the X-Codeenv-Session-Key header is not 16 to 256 visible ASCII characters, or the body is not " \
+                  "what this operation takes: detail says what to fix"
+
+
 def complete(schema: dict[str, Any], settings: GatewaySettings, profiles: list[str],
              sessions: bool = True) -> dict[str, Any]:
     """Add to FastAPI's document what the routes cannot say by themselves (see the module's doc)."""
@@ -178,6 +189,9 @@ def complete(schema: dict[str, Any], settings: GatewaySettings, profiles: list[s
             answers = dict(before)
             if "requestBody" in operation:
                 answers.update(BEFORE_JSON)
+            if sessions and path.startswith(SESSION_KEY_PATHS):
+                operation.setdefault("parameters", []).append(SESSION_KEY)
+                answers.setdefault("422", BAD_SESSION_KEY)
             for code, description in answers.items():
                 responses.setdefault(code, _error(description))
             for code, response in responses.items():

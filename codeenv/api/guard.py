@@ -12,6 +12,7 @@ malformed or too deeply nested JSON), so bad input always gets a 4xx that says w
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -114,6 +115,16 @@ class Guard:
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > max_bytes:
             raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {max_bytes}")
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                return await self._receive_body(receive, max_bytes)
+        except TimeoutError:
+            # 408 with "Connection: close": uvicorn then closes the connection, and the fd is free.
+            raise ApiError(408, f"the body did not arrive within {self.settings.body_timeout_s:g}s "
+                                "(body_timeout_s); send it whole, promptly", {"Connection": "close"}) from None
+
+    @staticmethod
+    async def _receive_body(receive: Any, max_bytes: int) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:

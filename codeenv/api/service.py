@@ -5,6 +5,7 @@ body into a model, and the HTTP status each API gives a result."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -15,10 +16,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from codeenv.api.contract import SESSION_KEY_PATHS
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
 from codeenv.errors import ID_TAKEN, NO_SESSION, ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Status
 from codeenv.queue.base import CallQueue
 from codeenv.sandbox.sessions import SessionManager
 from codeenv.settings import GatewaySettings
@@ -37,6 +39,24 @@ SANDBOX_FUSION_STATUS: Mapping[Status, int] = {Status.rejected: 422, Status.over
 #: What a gateway whose queue runs no sessions answers a session's cell.
 NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool); this gateway's queue "
                "({queue}) does not route them to a worker yet")
+
+
+#: Who sends no key: owns nothing (no session is ever created for it: it gets a key made for it).
+NO_OWNER = b"-"
+
+
+def session_key(request: Request) -> str | None:
+    """The request's session key, or None; ApiError 422 for one that is not a usable secret."""
+    key = request.headers.get(SESSION_KEY_HEADER)
+    if key is not None and not (16 <= len(key) <= 256 and key.isascii() and key.isprintable() and " " not in key):
+        raise ApiError(422, f"the {SESSION_KEY_HEADER} header must be 16 to 256 visible ASCII characters "
+                            "(a secret of yours, e.g. 32 random bytes in base64)")
+    return key
+
+
+def owner(key: str | None) -> bytes:
+    """Who a session key names (its hash; NO_OWNER without one)."""
+    return NO_OWNER if key is None else hashlib.sha256(key.encode()).digest()
 
 
 def body_schema(model: str, required: bool = True) -> dict[str, Any]:
@@ -133,6 +153,19 @@ def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> li
     return [item if item is not None else next(results) for item in refused]
 
 
+def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
+    """Each session cell of `calls` asks as the owner of the request's session key (a malformed key
+    is a 422 whether or not a call names a session: the document declares the header)."""
+    named = any(call.session is not None for call in calls)
+    if not named and not request.url.path.startswith(SESSION_KEY_PATHS):
+        return
+    key = session_key(request)
+    if named:
+        who = owner(key)
+        for call in calls:
+            call._owner = who
+
+
 class Gateway:
     """Runs calls for the routes: through the queue, counted in the metrics, logged per batch."""
 
@@ -143,6 +176,7 @@ class Gateway:
 
     async def answer(self, request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         """One result per call, in order; a client that hangs up cancels its unstarted calls."""
+        bind_owner(request, requests)
         if not requests:
             return []
         self.metrics.in_flight.inc(len(requests))
@@ -174,6 +208,7 @@ class Gateway:
         """Run a batch and stream each result as its call ends (NDJSON): first `{"accepted": n}`
         once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
         end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
+        bind_owner(request, valid)
         gone = asyncio.Event()
         indices = [i for i, item in enumerate(refused) if item is None]
         started = request.scope.get(ACCEPTED, time.monotonic())

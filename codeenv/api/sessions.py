@@ -4,11 +4,18 @@ Cells of many sessions can also go in one `/v1/execute/batch` or `/v1/execute/st
 item that names a `session` runs as that session's next cell. Sessions live in the worker that owns
 them: in embedded mode (`codeenv serve`) that is this process's pool; with Redis the endpoints
 answer 501 until sessions are routed across workers.
+
+A session belongs to whoever created it: every request about it must carry the same
+`X-Codeenv-Session-Key` header (a secret of the client's; one is made and returned as `session_key`
+when a POST /v1/sessions comes without it). Another key gets 404, as for an id that never existed,
+and the listing shows only the caller's own sessions.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,8 +28,10 @@ from codeenv.api.service import (
     Gateway,
     body_schema,
     conflict_status,
+    owner,
     parse,
     refusal,
+    session_key,
     sessions_of,
 )
 from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
@@ -32,12 +41,34 @@ from codeenv.sandbox.sessions import SessionManager
 logger = logging.getLogger("codeenv.api")
 
 PREFIX = "/v1/sessions"
-ERRORS: dict[int | str, dict[str, Any]] = {404: {"description": "no such session: it never existed here"},
+ERRORS: dict[int | str, dict[str, Any]] = {404: {"description": "no such session of yours: it never existed here, "
+                                                                 "or it was created with another session key"},
           410: {"description": "the session ended (expired, evicted, deleted, or its worker restarted)"},
           422: {"description": "the request cannot be run as sent"},
           429: {"description": "the worker holds as many sessions as it may: retry after Retry-After seconds"},
           501: {"description": "this gateway's queue does not run sessions"},
           503: {"description": "a session could not start on this worker"}}
+
+
+class RedactSessionIds(logging.Filter):
+    """Session ids are secrets (with the key, they are the session): no log line shows one. Installed
+    on uvicorn's access log, whose lines carry each request's path."""
+
+    PATH = re.compile(r"(/v1/sessions/)[^/?#\s\"]+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.PATH.sub(r"\1<id>", a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = self.PATH.sub(r"\1<id>", record.msg)
+        return True
+
+
+def redact_access_log(name: str = "uvicorn.access") -> None:
+    """Have logger `name` drop session ids from its lines (once, however many apps are made)."""
+    access = logging.getLogger(name)
+    if not any(isinstance(f, RedactSessionIds) for f in access.filters):
+        access.addFilter(RedactSessionIds())
 
 
 def is_json_route(method: str, path: str) -> bool:
@@ -69,8 +100,10 @@ def router(gateway: Gateway) -> APIRouter:
         from cell to cell, until it is deleted or idle for `idle_ttl_s`."""
         body = parse(request, SessionCreate)
         manager = session_manager(gateway)
+        key = session_key(request)
+        made = None if key is not None else secrets.token_urlsafe(32)
         try:
-            session = await manager.create(body.profile, body.limits, body.idle_ttl_s)
+            session = await manager.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made))
         except SessionError as exc:
             raise _error(exc) from None
         except InvalidRequest as exc:
@@ -79,21 +112,22 @@ def router(gateway: Gateway) -> APIRouter:
             logger.error("a session could not start: %s", exc)
             raise ApiError(503, f"a session could not start on this worker: {exc}",
                            {"Retry-After": "5"}) from None
-        return JSONResponse(SessionInfo(**session.describe()).model_dump(), 201,
+        return JSONResponse(SessionInfo(**session.describe(), session_key=made).model_dump(exclude_none=True), 201,
                             {"Location": f"{PREFIX}/{session.id}"})
 
-    @api.get(PREFIX, response_model=SessionList, responses={501: ERRORS[501]})
-    async def listing() -> SessionList:
-        """The live sessions of this worker: age, idle time, cells, family memory."""
+    @api.get(PREFIX, response_model=SessionList, responses={501: ERRORS[501], 422: ERRORS[422]})
+    async def listing(request: Request) -> SessionList:
+        """The caller's live sessions (those created with its X-Codeenv-Session-Key): age, idle
+        time, cells, family memory."""
         manager = session_manager(gateway)
-        return SessionList(sessions=[SessionInfo(**d) for d in manager.describe()])
+        return SessionList(sessions=[SessionInfo(**d) for d in manager.describe(owner(session_key(request)))])
 
     @api.get(PREFIX + "/{session_id}", response_model=SessionInfo, responses={
-        k: v for k, v in ERRORS.items() if k not in (422, 429, 503)})
-    async def show(session_id: str) -> SessionInfo:
-        """One live session."""
+        k: v for k, v in ERRORS.items() if k not in (429, 503)})
+    async def show(session_id: str, request: Request) -> SessionInfo:
+        """One live session of the caller."""
         try:
-            return SessionInfo(**session_manager(gateway).lookup(session_id).describe())
+            return SessionInfo(**session_manager(gateway).lookup(session_id, owner(session_key(request))).describe())
         except SessionError as exc:
             raise _error(exc) from None
 
@@ -114,7 +148,7 @@ def router(gateway: Gateway) -> APIRouter:
         except InvalidRequest as exc:  # as for a session that still lives: its cells could not run
             raise ApiError(422, str(exc)) from None
         try:
-            manager.lookup(session_id)
+            manager.lookup(session_id, owner(session_key(request)))
         except SessionError as exc:
             if exc.status == 410:
                 return _answer(ExecResult(id=cell.id, status=Status.session_lost, message=str(exc),
@@ -124,23 +158,23 @@ def router(gateway: Gateway) -> APIRouter:
         return _answer(result)
 
     @api.post(PREFIX + "/{session_id}/fork", status_code=201, response_model=SessionInfo, responses={
-        **{k: v for k, v in ERRORS.items() if k not in (422, 503)},
+        **{k: v for k, v in ERRORS.items() if k != 503},
         409: {"description": "its family holds as many sessions as one may"}})
-    async def fork(session_id: str) -> Response:
-        """A new session from this one's current state (copy-on-write; its work dir is copied). A fork
-        asked for while a cell runs waits for the cell to end."""
+    async def fork(session_id: str, request: Request) -> Response:
+        """A new session from this one's current state (copy-on-write; its work dir is copied), the
+        caller's too. A fork asked for while a cell runs waits for the cell to end."""
         try:
-            child = await session_manager(gateway).fork(session_id)
+            child = await session_manager(gateway).fork(session_id, owner(session_key(request)))
         except SessionError as exc:
             raise _error(exc) from None
         return JSONResponse(SessionInfo(**child.describe()).model_dump(), 201, {"Location": f"{PREFIX}/{child.id}"})
 
     @api.delete(PREFIX + "/{session_id}", status_code=204, responses={
-        k: v for k, v in ERRORS.items() if k not in (422, 429, 503)})
-    async def delete(session_id: str) -> Response:
+        k: v for k, v in ERRORS.items() if k not in (429, 503)})
+    async def delete(session_id: str, request: Request) -> Response:
         """End a session: its processes and files are gone when this answers."""
         try:
-            await session_manager(gateway).delete(session_id)
+            await session_manager(gateway).delete(session_id, owner(session_key(request)))
         except SessionError as exc:
             raise _error(exc) from None
         return Response(status_code=204)

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import json
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,7 +17,16 @@ import httpx
 
 from codeenv.client._session import Recorder, SessionStarter, session_request
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
-from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Limits, SessionInfo, Status
+from codeenv.models import (
+    SESSION_KEY_HEADER,
+    ExecRequest,
+    ExecResult,
+    JudgeRequest,
+    JudgeResult,
+    Limits,
+    SessionInfo,
+    Status,
+)
 
 
 @dataclass(eq=False)
@@ -58,10 +68,12 @@ class AsyncClient:
                  backoff_s: float = 0.05, max_backoff_s: float = 2.0, default_wall_s: float = 10.0,
                  grace_s: float = 30.0, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None, headers: Mapping[str, str] | None = None,
-                 stream: bool = True, seed: int | None = None) -> None:
+                 stream: bool = True, seed: int | None = None, session_key: str | None = None) -> None:
         if max_in_flight < 1 or max_batch < 1 or max_wait_s < 0 or retries < 0:
             raise ValueError("max_in_flight and max_batch must be >= 1, max_wait_s and retries >= 0")
-        all_headers = {"content-type": "application/json", **(headers or {})}
+        # Its sessions belong to this key: made per client unless given (to share them between clients).
+        self.session_key = session_key or secrets.token_urlsafe(32)
+        all_headers = {"content-type": "application/json", SESSION_KEY_HEADER: self.session_key, **(headers or {})}
         if token is not None:
             all_headers["authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(base_url=base_url, transport=transport, headers=all_headers, timeout=None)

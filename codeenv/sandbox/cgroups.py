@@ -295,6 +295,10 @@ class JailCgroup(Protocol):
     def pids_limit_hits(self) -> int: ...
     def procs(self) -> list[int]: ...
     def remove(self) -> None: ...
+    def close_files(self) -> None:
+        """Close the control files kept open (they reopen when next used): a group that waits long
+        between uses (an idle session's) then holds no fd."""
+        ...
     def delegate(self) -> None:
         """Let groups below this one use its controllers (v2; nothing to do on v1)."""
 
@@ -330,6 +334,55 @@ def _rmdir_when_empty(path: Path, timeout_s: float = 2.0) -> None:
                 logger.warning("cannot remove cgroup %s: %s", path, exc)
                 return
         time.sleep(0.01)
+
+
+def owner_alive(pid: int, made: Path) -> bool:
+    """Whether process `pid`, which made `made` (a directory named after it), still runs: a process
+    of that pid started after `made` was made is another one (the pid was reused)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+        return started <= made.stat().st_ctime + 2  # btime is whole seconds
+    except (OSError, ValueError, IndexError, StopIteration):
+        return Path(f"/proc/{pid}").exists()
+
+
+def remove_tree(top: Path, timeout_s: float = 10.0) -> int:
+    """Kill every process in cgroup `top` and the groups below it, then remove them, deepest first;
+    the number of groups that would not go."""
+    groups = [Path(d) for d, _, _ in os.walk(top)]  # parents before children
+    deadline = time.monotonic() + timeout_s
+    while True:  # until no group holds a process (a fork in flight joins one while we kill)
+        alive = False
+        for group in groups:
+            try:
+                pids = (group / "cgroup.procs").read_text().split()
+            except OSError:
+                continue
+            for p in pids:
+                alive = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p), signal.SIGKILL)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    left = 0
+    for group in reversed(groups):  # children first: a group with children cannot go
+        while True:
+            try:
+                group.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:  # EBUSY: killed processes take a moment to leave
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    left += 1
+                    break
+                time.sleep(0.01)
+    return left
 
 
 class V1Cgroup:
@@ -424,6 +477,9 @@ class V1Cgroup:
     def delegate(self) -> None:
         pass
 
+    def close_files(self) -> None:
+        self._files.close()
+
     def remove(self) -> None:
         _kill_procs(self)
         self._files.close()
@@ -441,10 +497,9 @@ class V2Cgroup:
         path.mkdir(exist_ok=True)
         self._files = _ControlFiles()
         self._peak_fd: int | None = None
-        try:
-            self._peak_fd = os.open(path / "memory.peak", os.O_RDWR)
-        except OSError:
-            self._peak_fd = None  # kernels before 6.12 cannot reset the peak: ru_maxrss is used
+        # Kernels before 6.12 cannot reset the peak (ru_maxrss is used then). A reset holds for the
+        # fd it was written to, so the fd stays open from a reset to the read after it.
+        self._resettable_peak = (path / "memory.peak").exists()
 
     def procs_files(self) -> list[Path]:
         return [self.path / "cgroup.procs"]
@@ -484,12 +539,18 @@ class V2Cgroup:
         return _parse_keyed(self._files.read(self.path, "cpu.stat")).get("usage_usec", 0) * 1000
 
     def reset_peak(self) -> None:
+        if self._peak_fd is None and self._resettable_peak:
+            try:
+                self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                self._resettable_peak = False
         if self._peak_fd is not None:
             try:
                 os.write(self._peak_fd, b"reset\n")
             except OSError:
                 os.close(self._peak_fd)
                 self._peak_fd = None
+                self._resettable_peak = False
 
     def memory_peak(self) -> int | None:
         if self._peak_fd is None:
@@ -511,6 +572,12 @@ class V2Cgroup:
         except FileNotFoundError:
             return []
 
+    def close_files(self) -> None:
+        self._files.close()
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+
     def delegate(self) -> None:
         available = (self.path / "cgroup.controllers").read_text().split()
         wanted = [c for c in (*REQUIRED_CONTROLLERS, *OPTIONAL_CONTROLLERS) if c in available]
@@ -518,10 +585,7 @@ class V2Cgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        self._files.close()
-        if self._peak_fd is not None:
-            os.close(self._peak_fd)
-            self._peak_fd = None
+        self.close_files()
         _rmdir_when_empty(self.path)
 
 
@@ -582,19 +646,18 @@ class CgroupTree:
 
     @staticmethod
     def _reap_stale(bases: dict[str, Path]) -> None:
-        """Remove subtrees left by workers that died without cleaning up."""
+        """Remove subtrees left by workers that ended without cleaning up (SIGKILL included), at any
+        depth (codeenv-PID-N/families/familyK/main, ...): every process in them is killed first."""
         for base in bases.values():
             for sibling in base.parent.glob("codeenv-*"):
                 pid = sibling.name.split("-")[1]  # codeenv-<pid>-<n>; codeenv-supervisor is no subtree
-                if sibling == base or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                if sibling == base or not pid.isdigit() or owner_alive(int(pid), sibling):
                     continue
-                for group in [g for g in sibling.iterdir() if g.is_dir()] + [sibling]:
-                    try:
-                        for p in (group / "cgroup.procs").read_text().split():
-                            os.kill(int(p), signal.SIGKILL)
-                        group.rmdir()
-                    except OSError:
-                        pass
+                left = remove_tree(sibling)
+                if left:
+                    logger.warning("cannot remove %d cgroup(s) left by dead worker %s under %s", left, pid, sibling)
+                else:
+                    logger.info("removed the cgroups left by dead worker %s (%s)", pid, sibling)
 
     def group(self, name: str) -> JailCgroup:
         if self.version == 1:

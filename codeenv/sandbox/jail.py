@@ -26,6 +26,14 @@ from codeenv.settings import SandboxSettings
 ZYGOTE_DIR = "/usr/lib/codeenv"
 WORKDIR = "/work"
 
+#: RLIMIT_SIGPENDING (queued signals and POSIX timers) of everything in a jail, set by its zygote
+#: before anything else. nsjail makes each jail's user namespace as host root, and the kernel charges
+#: this per-user counter up the chain of namespaces to root's own (whose limit, ~96,000 here, every
+#: root process on the host shares): so a jail (and each session family, which has its own uid) may
+#: hold at most this many, a hard limit no process in the jail can raise. Honest programs hold a
+#: handful (a pending signal, a timer or two).
+JAIL_SIGPENDING = 64
+
 #: The audit arch of this machine's native system call ABI (the ABI filter lets only it through).
 NATIVE_ARCH = {"x86_64": seccomp.AUDIT_ARCH_X86_64, "aarch64": seccomp.AUDIT_ARCH_AARCH64}.get(platform.machine())
 
@@ -85,6 +93,7 @@ def jail_config(
         "cleanup_timeout_s": settings.cleanup_timeout_s,
         "prefork": settings.prefork,
         "abi_filter": abi_filter_hex(settings),
+        "sigpending": JAIL_SIGPENDING,
     }
     tmpfs = (f"size={settings.workdir_mb}m,nr_inodes={settings.workdir_inodes},mode=0700,"
              f"uid={SANDBOX_UID},gid={SANDBOX_UID}")
@@ -110,9 +119,14 @@ def jail_config(
         rlimit_nofile=max(1024, settings.caps.open_files),
         rlimit_nproc_type=RLimitType.HARD,  # the slot's pids cgroup is the process cap
         rlimit_stack=8,
+        # Locked memory and POSIX queue bytes are per-user counters too (see JAIL_SIGPENDING). nsjail's
+        # type for these three defaults to SOFT (inherit ours, ignoring the value): VALUE sets them.
         rlimit_memlock=0,
+        rlimit_memlock_type=RLimitType.VALUE,
         rlimit_rtprio=0,
+        rlimit_rtprio_type=RLimitType.VALUE,
         rlimit_msgqueue=0,
+        rlimit_msgqueue_type=RLimitType.VALUE,
         clone_newnet=True,
         clone_newuser=True,
         clone_newns=True,

@@ -33,11 +33,12 @@ from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError,
 from codeenv.judge import judge
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
-from codeenv.sandbox.cgroups import CgroupTree
+from codeenv.sandbox.budget import session_budget
+from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
-from codeenv.sandbox.sessions import SessionManager
+from codeenv.sandbox.sessions import SessionManager, cells_at_once
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
 from codeenv.sandbox.uids import (
     FAMILY_UIDS,
@@ -188,6 +189,7 @@ class SlotPool:
         try:
             plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
+            sessions_max = _sessions_max(settings, len(self.image.spec.profiles), slots)
             check_user_namespace(settings)
             if settings.uid_base is None:
                 self._uids = await asyncio.to_thread(claim_for, settings)
@@ -235,7 +237,8 @@ class SlotPool:
         self.sessions = SessionManager(
             settings, self.image, self._tree, self.uid_base + SESSION_ROOT_UIDS, self.uid_base + FAMILY_UIDS, nsjail,
             self._runtime, zygote_dir, self.worker,
-            lambda request, result, profile: self._finish(request, result, None, profile, 0.0))
+            lambda request, result, profile: self._finish(request, result, None, profile, 0.0),
+            sessions_max=sessions_max, cells_at_once=cells_at_once(slots))
         self.sessions.start()
         self._check_measured_memory(plan)
         self._open = True
@@ -535,7 +538,7 @@ def _remove_stale_runtime(runtime_dir: Path) -> None:
         return
     for d in runtime_dir.glob("codeenv-*"):
         pid = d.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not owner_alive(int(pid), d):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -548,6 +551,24 @@ def _check_traversable(path: Path) -> None:
                 f"{parent} is not world-traversable (mode {mode & 0o777:o}); jails cannot mount "
                 f"{path} from there. Set CODEENV_STATE_DIR to a directory like /var/lib/codeenv"
             )
+
+
+def _sessions_max(settings: SandboxSettings, profiles: int, slots: int) -> int:
+    """`sessions_max`, held to what the host allows (budget.py): lowered when left at its default,
+    refused (SandboxError, one line) when set above it."""
+    if settings.sessions_max == 0:
+        return 0
+    connections = getattr(settings, "max_connections", 2048)  # a gateway's, in embedded mode
+    budget = session_budget(settings, jails=(slots + 1) * profiles, connections=connections,
+                            cells_at_once=cells_at_once(slots))
+    if settings.sessions_max <= budget.sessions:
+        return settings.sessions_max
+    if "sessions_max" in settings.model_fields_set:
+        raise SandboxError(f"CODEENV_SESSIONS_MAX={settings.sessions_max} does not fit this host: {budget.sessions} "
+                           f"sessions do, bounded by {budget.binding} (each: {budget.describe()}); lower it")
+    logger.info("sessions: at most %d on this host (bounded by %s; each: %s)", budget.sessions, budget.binding,
+                budget.describe())
+    return budget.sessions
 
 
 def _raise_open_files() -> None:

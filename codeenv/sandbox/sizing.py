@@ -223,3 +223,15 @@ def socket_memory_limit(settings: SandboxSettings, tcp_mem: Path = TCP_MEM) -> i
     if pressure is not None:
         cap = min(cap, pressure // 2 // settings.slots)
     return max(cap, 1 << 20)
+
+
+def families_socket_memory_limit(settings: SandboxSettings, tcp_mem: Path = TCP_MEM) -> int:
+    """The socket buffer cap of all session families of a worker together (their common parent group):
+    a quarter of the host's TCP pressure threshold, on top of the slots' half, so that sessions can
+    neither take the calls' share nor push the host into TCP memory pressure. Each family also has the
+    cap of one slot (`socket_memory_limit`)."""
+    cap = (settings.socket_memory_mb << 20) * max(1, settings.sessions_max)
+    pressure = tcp_pressure_bytes(tcp_mem)
+    if pressure is not None:
+        cap = min(cap, pressure // 4 // PAGE * PAGE)
+    return max(cap, 1 << 20)

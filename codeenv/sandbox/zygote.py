@@ -1942,6 +1942,8 @@ def _run(ctl, data, msg, fds, baseline):
 def main():
     global _config, _stdio
     _config = json.loads(sys.argv[1])
+    if _config.get("sigpending") is not None:  # a per-user counter charged to host root: see jail.py
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (_config["sigpending"],) * 2)
     _install_abi_filter(_config.get("abi_filter"))
     _set_dumpable(0)
     _deaf_to_signals()
