@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
+from codeenv import logs
 from codeenv.admission import resolve_limits
 from codeenv.errors import CodeenvError
 from codeenv.models import ExecRequest, ExecResult, Limits, Status
@@ -34,22 +35,23 @@ app = typer.Typer(help="codeenv: fast, jailed Python execution for agentic RL.",
 image_app = typer.Typer(help="Build and inspect sandbox images.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 err = Console(stderr=True, soft_wrap=True)  # a cause stays on one line, whatever the width
+LOG_FORMAT_HELP = "json (one object per line) or plain (one text line), for codeenv's and uvicorn's logs alike"
 
 
 def _setup_logging(log_format: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
-                                           rename_fields={"levelname": "level", "name": "logger"}))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    try:
+        logs.setup(logs.parse(log_format))
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
 
 
 def _progress(message: str) -> None:
     err.print(f"[bold cyan]image[/] {message}")
+
+
+def _log_progress(message: str) -> None:
+    """Progress of a long-running role (serve, worker): a log line in the run's one format."""
+    logging.getLogger("codeenv.image").info("%s", message)
 
 
 def _fail(message: str | BaseException) -> typer.Exit:
@@ -144,7 +146,7 @@ def serve(
     processes: Annotated[int | None, typer.Option(
         help="gateway (uvicorn) processes; the host keeps one slot pool whatever the number [default: 1]")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
-    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
+    log_format: Annotated[str, typer.Option(help=LOG_FORMAT_HELP, envvar=logs.ENV)] = "json",
 ) -> None:
     """Start the service: the HTTP gateway with an embedded pool of jailed workers (no Redis), or
     with --redis, a gateway of the Redis Streams queue (with a local worker unless told otherwise)."""
@@ -162,7 +164,7 @@ def serve(
     _check_port(settings.host, settings.port)
     if settings.redis_url is None or settings.local_worker:
         try:
-            prepare_jails(settings, _progress)  # refuse before binding: no image, cgroups or memory for a slot
+            prepare_jails(settings, _log_progress)  # refuse before binding: no image, cgroups or memory for a slot
         except (CodeenvError, OSError) as exc:
             raise _fail(str(exc)) from exc
     try:
@@ -265,7 +267,7 @@ def baseline(
 @app.command(hidden=True)
 def pool(
     socket: Annotated[Path, typer.Option(help="Unix socket to serve the gateways on")],
-    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
+    log_format: Annotated[str, typer.Option(help=LOG_FORMAT_HELP, envvar=logs.ENV)] = "json",
 ) -> None:
     """The host's slot pool behind `serve --processes N` (without Redis)."""
     from codeenv.topology import run_pool
@@ -281,7 +283,7 @@ def pool(
 def worker(
     redis: Annotated[str, typer.Option(help="Redis URL of the queue", envvar="CODEENV_REDIS_URL")],
     slots: Annotated[int | None, typer.Option(help="concurrent calls (default: one per core)")] = None,
-    log_format: Annotated[str, typer.Option(help="json (one object per line) or text")] = "json",
+    log_format: Annotated[str, typer.Option(help=LOG_FORMAT_HELP, envvar=logs.ENV)] = "json",
     log_level: Annotated[str, typer.Option(help="info, or debug: also one line per call started")] = "info",
 ) -> None:
     """Run a worker: claim calls from the Redis Streams queue and run them in a local slot pool.
@@ -300,7 +302,7 @@ def worker(
     except ValueError as exc:
         raise _fail(exc) from exc
     try:
-        prepare_jails(settings, _progress)
+        prepare_jails(settings, _log_progress)
         run_worker(settings)
     except (CodeenvError, OSError) as exc:
         raise _fail(str(exc)) from exc

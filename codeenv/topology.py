@@ -80,6 +80,9 @@ def gateway_app(settings: GatewaySettings) -> FastAPI:
 
 def app_from_env() -> FastAPI:
     """The gateway configured by CODEENV_* variables: what each `serve --processes N` process runs."""
+    from codeenv import logs
+
+    logs.setup(logs.from_env())  # a spawned process: its parent's logging is not inherited
     return gateway_app(GatewaySettings())
 
 
@@ -142,8 +145,9 @@ def run_gateway(settings: GatewaySettings, given: Mapping[str, object], log_leve
     import uvicorn
 
     if settings.processes == 1:
+        # log_config=None: uvicorn's loggers keep the one handler and format of codeenv.logs.
         uvicorn.run(gateway_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                    log_config=None, timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
                     limit_concurrency=settings.max_connections)
         return
     _serve_processes(settings, given, log_level, log_format)
@@ -263,7 +267,7 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # for the gateways, set before they import it
         uvicorn.run("codeenv.topology:app_from_env", factory=True, workers=settings.processes, host=settings.host,
                     port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                    log_config=None, timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
                     limit_concurrency=settings.max_connections)
     finally:
         if supervisor is not None:

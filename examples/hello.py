@@ -1,4 +1,5 @@
 import math
+import sys
 
-n = int(input() or 5)
+n = int(sys.stdin.read().strip() or 5)  # no input: 5
 print(math.factorial(n))

@@ -7,7 +7,7 @@ Each trajectory stands in for a model solving "the sum of the primes below N" in
 first attempt (sometimes buggy, sometimes a runaway loop), then a fix after reading the feedback.
 Every turn goes through `codeenv.integrations.verl.CodeenvTool` exactly as verl's tool agent loop
 calls a tool (create, execute with the trajectory's `agent_data`, release), built by verl's own
-tool registry from `examples/verl/codeenv_tool.yaml`. At the end each trajectory's ledger (what
+tool registry from `examples/verl_config/codeenv_tool.yaml`. At the end each trajectory's ledger (what
 GRPO-RoC reads) and the tool's metrics are printed.
 
 It needs verl's tool modules: with verl installed (`pip install verl`), or `--from-wheel`, which
@@ -72,7 +72,7 @@ async def main() -> None:
     load_verl(args.from_wheel)
     from verl.tools.tool_registry import initialize_tools_from_config
 
-    config = (ROOT / "examples" / "verl" / "codeenv_tool.yaml").read_text().replace("http://127.0.0.1:8000", args.url)
+    config = (ROOT / "examples" / "verl_config" / "codeenv_tool.yaml").read_text().replace("http://127.0.0.1:8000", args.url)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         f.write(config.replace("wall_s: 5", "wall_s: 2"))
         f.flush()

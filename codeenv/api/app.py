@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from codeenv.worker.redis import StreamWorker
 
 LAG_PROBE_S = 0.5
+#: Where the gateway serves the documentation pages' JavaScript, CSS and icon.
+DOCS_ASSETS = "/docs/assets"
 #: How long before the queue gives up on running calls a local Redis worker stops them (and writes
 #: their `killed` results).
 WORKER_CUT_AHEAD_S = 0.7
@@ -105,8 +108,11 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 await stopping.worker_stopped()
             metrics.process_exit()
 
-    app = FastAPI(title="codeenv", version="0.1.0", lifespan=lifespan,
-                  description="Run untrusted Python in jails, with hard limits and structured results.")
+    # /docs (Swagger UI) and /redoc load their scripts and styles from DOCS_ASSETS, served here from
+    # an installed package: training clusters seldom reach a CDN (nor Swagger UI's online validator).
+    app = FastAPIOffline(title="codeenv", version="0.1.0", lifespan=lifespan, static_url=DOCS_ASSETS,
+                         swagger_ui_parameters={"validatorUrl": None},
+                         description="Run untrusted Python in jails, with hard limits and structured results.")
     app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
                        | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS,
                        json_route=sessions.is_json_route)
