@@ -46,14 +46,20 @@ bootstrap() {
 
 # The venv alone, which needs no root (the unit tier needs nothing else).
 bootstrap_venv() {
-    local stamp="$VENV/.codeenv-stamp" want
+    # BOOTSTRAP_EXTRA: what to install (scripts/codeenv: `server`, what serving needs; the tests: `test`).
+    local extra="${BOOTSTRAP_EXTRA:-test}" stamp="$VENV/.codeenv-stamp" want have
     want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
-    if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        "$(find_python)" -m venv "$VENV"
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-        # The distribution was named `codeenv` before (another project's name on PyPI): not two of it.
-        "$VENV/bin/python" -m pip uninstall -q -y --disable-pip-version-check codeenv >/dev/null 2>&1 || true
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
-        echo "$want" > "$stamp"
+    have="$(cat "$stamp" 2>/dev/null || true)"
+    # A venv with the test extra has the server's packages too.
+    if [ -x "$VENV/bin/python" ] && { [ "$have" = "$want $extra" ] || [ "$have" = "$want test" ]; }; then
+        return 0
     fi
+    echo "setting up $VENV with codeenv-rl[$extra] (a minute or two, once)" >&2
+    "$(find_python)" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    # The distribution was named `codeenv` before (another project's name on PyPI): not two of it.
+    "$VENV/bin/python" -m pip uninstall -q -y --disable-pip-version-check codeenv >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extra]"
+    echo "$want $extra" > "$stamp"
+    echo "set up $VENV" >&2
 }
