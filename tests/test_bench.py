@@ -359,6 +359,6 @@ def test_expectations_and_workload_files_are_checked(tmp_path: Path) -> None:
 def test_a_service_that_exits_before_it_is_ready_says_why(tmp_path: Path) -> None:
     service = start_codeenv("serve", "--slots", "0", port=free_port(), log=tmp_path / "serve.log")
     with service, pytest.raises(ServiceError, match=r"(?s)^codeenv serve exited \(status 2\) before it was ready:.*"
-                                                   r"validation error.*slots"):
+                                                   r"invalid settings: CODEENV_SLOTS"):
         service.wait_ready()
     assert service.returncode == 2

@@ -22,7 +22,7 @@ from codeenv.settings import GatewaySettings
 from tests.conftest import SharedPoolQueue, serving
 from tests.frameworks import load_skyrl_gym, load_verl
 
-EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "verl" / "codeenv_tool.yaml"
+EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "verl_config" / "codeenv_tool.yaml"
 
 
 @pytest_asyncio.fixture
