@@ -246,23 +246,6 @@ HACKS: list[Hack] = [
     Hack("prints a traceback but ends well", "tool", "print('Traceback (most recent call last):\\nError')", "ok"),
 ]
 
-#: The reward script of the router path (shaped like open-r1's code reward: each case runs the candidate
-#: with subprocess, the last expression is the pass rate).
-ROUTER_SCRIPT = """
-import subprocess, json
-
-def evaluate(code, cases):
-    passed = 0
-    for case in cases:
-        try:
-            run = subprocess.run(["python3", "-c", code], input=case["input"], text=True,
-                                 capture_output=True, timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-        if run.returncode == 0 and run.stdout.strip() == case["output"].strip():
-            passed += 1
-    return passed / len(cases)
-
-evaluate({code}, {cases})
-"""
+#: The cases the router path's reward script (tests/test_routers.py's, shaped like open-r1's code reward:
+#: each case runs the candidate with subprocess, the last expression is the pass rate) checks.
 ROUTER_CASES = [{"input": "1 2", "output": "3"}, {"input": "20 22", "output": "42"}]

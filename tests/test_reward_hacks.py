@@ -33,11 +33,10 @@ from tests.reward_hacks import (
     HACKS,
     PATHS,
     ROUTER_CASES,
-    ROUTER_SCRIPT,
     Hack,
 )
 from tests.test_compat import HOSTILE as COMPAT_HOSTILE
-from tests.test_routers import as_routed_sandbox
+from tests.test_routers import REWARD_SCRIPT, as_routed_sandbox
 
 pytestmark = [pytest.mark.jail]
 
@@ -88,7 +87,7 @@ async def verdict(c: httpx.AsyncClient, hack: Hack) -> str:
         assert r["reason"] not in ("internal_error", "queue_timeout"), r
         return "success" if r["success"] else "fail"
     if hack.path == "router":
-        script = ROUTER_SCRIPT.format(code=repr(hack.code), cases=repr(ROUTER_CASES))
+        script = REWARD_SCRIPT.format(code=json.dumps(hack.code), cases=json.dumps(json.dumps(ROUTER_CASES)))
         [answer] = await post(c, "/execute_batch", {"scripts": [script], "languages": ["python"], "timeout": 30,
                                                     "request_timeout": 28})
         execution = as_routed_sandbox(answer)

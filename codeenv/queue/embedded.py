@@ -56,9 +56,7 @@ class EmbeddedQueue:
         self._done_bytes = 0
         self._tasks: set[asyncio.Future[ExecResult]] = set()
         self._waiting_since: dict[object, float] = {}  # calls not yet dispatched, oldest first
-        # The tasks of calls not yet dispatched, and of those running: for a drain to answer them.
-        self._undispatched: dict[object, asyncio.Task[Any]] = {}
-        self._dispatched: dict[object, asyncio.Task[Any]] = {}
+        self._calls: dict[object, asyncio.Task[Any]] = {}  # every call's task, for a drain to answer it
         self._forced = asyncio.Event()
         self._draining = False
         self._stopping_running = False
@@ -88,8 +86,8 @@ class EmbeddedQueue:
         if self._draining:
             return
         self._draining = True
-        for task in list(self._undispatched.values()):
-            task.cancel()
+        for token in list(self._waiting_since):
+            self._calls[token].cancel()
         loop = asyncio.get_running_loop()
         loop.call_at(loop.time() + max(0.0, until - time.monotonic()), self._stop_running)
 
@@ -100,8 +98,9 @@ class EmbeddedQueue:
 
     def _stop_running(self) -> None:
         self._stopping_running = True
-        for task in list(self._dispatched.values()):
-            task.cancel()
+        for token, task in list(self._calls.items()):
+            if token not in self._waiting_since:
+                task.cancel()
 
     def stats(self) -> dict[str, float]:
         slots = len(self.pool.slots)
@@ -173,7 +172,7 @@ class EmbeddedQueue:
 
     async def _overloaded(self, request: ExecRequest) -> ExecResult:
         if self._draining:
-            return ExecResult(id=request.id, status=Status.overloaded, started=False, message=STOPPING)
+            return _stopping(request)
         return ExecResult(id=request.id, status=Status.overloaded, started=False,
                           message=f"more than {self.max_queued} calls are waiting; retry later")
 
@@ -183,15 +182,12 @@ class EmbeddedQueue:
         token = object()
         self._waiting_since[token] = accepted
         task = asyncio.current_task()
-        if task is not None:
-            self._undispatched[token] = task
+        assert task is not None  # submit runs every call as a task of its own
+        self._calls[token] = task
 
         def on_dispatch() -> None:
             dispatched.append(True)
             self._waiting_since.pop(token, None)
-            running = self._undispatched.pop(token, None)
-            if running is not None:
-                self._dispatched[token] = running
 
         try:
             try:
@@ -200,7 +196,7 @@ class EmbeddedQueue:
                 if not self._draining:  # the caller went away (or a plain cancel): as before
                     raise
                 if not dispatched:
-                    result = ExecResult(id=request.id, status=Status.overloaded, started=False, message=STOPPING)
+                    result = _stopping(request)
                 elif self._stopping_running:
                     result = ExecResult(id=request.id, status=Status.killed, started=True,
                                         message="the service stopped before the call ended (its grace period "
@@ -225,8 +221,7 @@ class EmbeddedQueue:
         finally:
             self.in_flight -= 1
             self._waiting_since.pop(token, None)
-            self._undispatched.pop(token, None)
-            self._dispatched.pop(token, None)
+            self._calls.pop(token, None)
 
     async def _attach(self, request: ExecRequest) -> ExecResult:
         assert request.id is not None
@@ -271,6 +266,10 @@ class EmbeddedQueue:
             logger.exception("call %s failed inside the service", request.id)
             return ExecResult(id=request.id, status=Status.internal_error, started=True,
                               message=f"the service failed on this call: {exc!r}")
+
+
+def _stopping(request: ExecRequest) -> ExecResult:
+    return ExecResult(id=request.id, status=Status.overloaded, started=False, message=STOPPING)
 
 
 def from_settings(settings: GatewaySettings) -> EmbeddedQueue:
