@@ -71,9 +71,10 @@ async def test_a_stop_signal_answers_every_call_within_the_grace_period(tmp_path
     finally:
         service.kill()
     statuses = [r["status"] for r in results]
-    # The slots take the calls in the order they reach them (with two gateway processes, any order).
-    assert statuses[1] == "killed" or mode == "processes", results
-    assert statuses.count("ok") >= 1 and statuses.count("killed") == 1 and statuses.count("overloaded") >= 1, results
+    # The slots take the calls in the order their requests reach the gateway, which is not the order
+    # they were sent: the 30 s call is stopped if it started, and not run if it did not.
+    assert statuses[1] in ("killed", "overloaded"), results
+    assert statuses.count("ok") >= 1 and statuses.count("killed") <= 1 and statuses.count("overloaded") >= 1, results
     no_traceback(log)
 
 
