@@ -114,7 +114,9 @@ while IFS=: read -r _ controllers path; do
 done < "/proc/$pid/cgroup"
 podman exec "$K8S_WORKER" touch /tmp/go
 "$VENV/bin/python" deploy/ci/check_stack.py basics "http://127.0.0.1:$K8S_PORT"
-podman logs "$K8S_WORKER" 2>&1 | grep -q 'host uids from 32768 ' \
+# Read whole, then searched: with pipefail, `podman logs | grep -q` fails whenever grep stops reading first.
+logs=$(podman logs "$K8S_WORKER" 2>&1)
+grep -q 'host uids from 32768 ' <<<"$logs" \
     || { echo "FAIL: the slots' uids were not carved out of the container's namespace"; exit 1; }
 echo "ok   the hostile basics pass in a user namespace, on uids carved out of it (32768 up)"
 podman stop -t 30 "$K8S_WORKER" >/dev/null
