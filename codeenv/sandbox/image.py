@@ -344,65 +344,17 @@ def build_image(
     build = Path(tempfile.mkdtemp(prefix=f".build-{spec.name}-", dir=images_dir))
     try:
         root = build / "root"
-        lib = root / PREFIX / "lib"
-        stdlib = lib / f"python{spec.python}"
-        site = stdlib / "site-packages"
+        stdlib = root / PREFIX / "lib" / f"python{spec.python}"
         say(f"copying CPython {facts['version']} from {facts['executable']}")
-        (root / PREFIX / "bin").mkdir(parents=True)
-        _copy_stdlib(Path(facts["stdlib"]), stdlib)
-        exe = root / PREFIX / "bin" / f"python{spec.python}"
-        shutil.copy2(os.path.realpath(facts["executable"]), exe)
-        for alias in ("python3", "python"):
-            (root / PREFIX / "bin" / alias).symlink_to(exe.name)
-        libpython = Path(facts["libdir"]) / facts["soname"] if facts["soname"] else None
-        # Debian's python3 reports a shared libpython but its executable has it built in (the .so
-        # comes with the separate libpython3.X package): copy it only where there is one.
-        if facts["shared"] not in ("0", "") and libpython is not None and libpython.is_file():
-            shutil.copy2(libpython, lib / facts["soname"])
-        site.mkdir(exist_ok=True)
-        if "dist-packages" in (stdlib / "site.py").read_text(encoding="utf-8", errors="replace"):
-            # Debian's site.py looks in dist-packages instead of site-packages.
-            (stdlib / "dist-packages").symlink_to("site-packages")
-
+        exe = _copy_interpreter(root, stdlib, facts)
         if spec.packages:
             say(f"installing {len(spec.packages)} packages: {' '.join(spec.packages)}")
-            cmd = [interpreter, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                   "--no-compile", "--no-warn-script-location", "--only-binary=:all:",
-                   "--target", str(site), *spec.packages]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-            if out.returncode != 0:
-                raise ImageError(f"pip could not install the packages of {spec.name}:\n{out.stderr[-4000:]}")
-            shutil.rmtree(site / "bin", ignore_errors=True)
-
+            _install_packages(spec, interpreter, stdlib / "site-packages")
         say("collecting shared libraries")
-        elves = [p for _, st, p in _tree_entries(root) if stat.S_ISREG(st.st_mode)
-                 and (p.suffix == ".so" or ".so." in p.name or p == exe) and _is_elf(p)]
-        for dep in sorted(_shared_deps(elves)):
-            if dep.startswith(str(build)) or "libpython" in Path(dep).name:
-                continue
-            _copy_host_file(dep, root)
-        for d in MOUNT_POINTS_DIRS:
-            (root / d).mkdir(parents=True, exist_ok=True)
-        for f in MOUNT_POINTS_FILES:
-            (root / f).touch()
-        (root / "tmp").symlink_to("work")
-        (root / "dev" / "shm").symlink_to("../work")
-        _write_etc(root, spec)
-
+        _collect_libraries(root, exe, build)
+        _make_mount_points(root, spec)
         say("byte-compiling")
-        out = subprocess.run(
-            [interpreter, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
-             "-s", str(root), "-p", "/", str(stdlib)],
-            capture_output=True, text=True, timeout=3600,
-        )
-        if out.returncode != 0:
-            logger.warning("byte-compiling %s reported: %s", spec.name, out.stdout[-2000:])
-        freeze = subprocess.run(
-            [interpreter, "-m", "pip", "list", "--format=json", "--path", str(site)],
-            capture_output=True, text=True, timeout=300,
-        )
-        packages = {p["name"]: p["version"] for p in json.loads(freeze.stdout or "[]")}
-
+        packages = _byte_compile(spec, interpreter, root, stdlib)
         say("hashing")
         _normalise_modes(root)
         digest_hex = content_hash(root)
@@ -411,18 +363,91 @@ def build_image(
             "python_version": facts["version"], "packages": packages, "spec": spec.model_dump(),
         }
         (build / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        os.chmod(build, 0o755)
-        final = images_dir / f"{spec.name}-{digest_hex[:16]}"
-        if final.exists():
-            shutil.rmtree(build)
-        else:
-            os.rename(build, final)
-        link_tmp = images_dir / f".{spec.name}.link"
-        link_tmp.unlink(missing_ok=True)
-        link_tmp.symlink_to(final.name)
-        os.replace(link_tmp, images_dir / spec.name)
+        final = _publish(build, images_dir, f"{spec.name}-{digest_hex[:16]}", spec.name)
         say(f"built {final.name}")
         return load_image(final)
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)
         raise
+
+
+def _copy_interpreter(root: Path, stdlib: Path, facts: dict[str, str]) -> Path:
+    """The interpreter, its standard library and libpython under `root`; the executable's path."""
+    lib = stdlib.parent
+    (root / PREFIX / "bin").mkdir(parents=True)
+    _copy_stdlib(Path(facts["stdlib"]), stdlib)
+    exe = root / PREFIX / "bin" / stdlib.name
+    shutil.copy2(os.path.realpath(facts["executable"]), exe)
+    for alias in ("python3", "python"):
+        (root / PREFIX / "bin" / alias).symlink_to(exe.name)
+    libpython = Path(facts["libdir"]) / facts["soname"] if facts["soname"] else None
+    # Debian's python3 reports a shared libpython but its executable has it built in (the .so
+    # comes with the separate libpython3.X package): copy it only where there is one.
+    if facts["shared"] not in ("0", "") and libpython is not None and libpython.is_file():
+        shutil.copy2(libpython, lib / facts["soname"])
+    (stdlib / "site-packages").mkdir(exist_ok=True)
+    if "dist-packages" in (stdlib / "site.py").read_text(encoding="utf-8", errors="replace"):
+        # Debian's site.py looks in dist-packages instead of site-packages.
+        (stdlib / "dist-packages").symlink_to("site-packages")
+    return exe
+
+
+def _install_packages(spec: ImageSpec, interpreter: str, site: Path) -> None:
+    cmd = [interpreter, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--no-compile", "--no-warn-script-location", "--only-binary=:all:",
+           "--target", str(site), *spec.packages]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise ImageError(f"pip could not install the packages of {spec.name}:\n{out.stderr[-4000:]}")
+    shutil.rmtree(site / "bin", ignore_errors=True)
+
+
+def _collect_libraries(root: Path, exe: Path, build: Path) -> None:
+    """Copy the host's shared libraries that the image's ELF files need (libpython excepted)."""
+    elves = [p for _, st, p in _tree_entries(root) if stat.S_ISREG(st.st_mode)
+             and (p.suffix == ".so" or ".so." in p.name or p == exe) and _is_elf(p)]
+    for dep in sorted(_shared_deps(elves)):
+        if dep.startswith(str(build)) or "libpython" in Path(dep).name:
+            continue
+        _copy_host_file(dep, root)
+
+
+def _make_mount_points(root: Path, spec: ImageSpec) -> None:
+    for d in MOUNT_POINTS_DIRS:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for f in MOUNT_POINTS_FILES:
+        (root / f).touch()
+    (root / "tmp").symlink_to("work")
+    (root / "dev" / "shm").symlink_to("../work")
+    _write_etc(root, spec)
+
+
+def _byte_compile(spec: ImageSpec, interpreter: str, root: Path, stdlib: Path) -> dict[str, str]:
+    """Byte-compile the standard library and packages; the installed packages' versions."""
+    out = subprocess.run(
+        [interpreter, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
+         "-s", str(root), "-p", "/", str(stdlib)],
+        capture_output=True, text=True, timeout=3600,
+    )
+    if out.returncode != 0:
+        logger.warning("byte-compiling %s reported: %s", spec.name, out.stdout[-2000:])
+    freeze = subprocess.run(
+        [interpreter, "-m", "pip", "list", "--format=json", "--path", str(stdlib / "site-packages")],
+        capture_output=True, text=True, timeout=300,
+    )
+    return {p["name"]: p["version"] for p in json.loads(freeze.stdout or "[]")}
+
+
+def _publish(build: Path, images_dir: Path, final_name: str, name: str) -> Path:
+    """Move the finished build to its content-addressed name and point ``images_dir/<name>`` at it."""
+    os.chmod(build, 0o755)
+    final = images_dir / final_name
+    if final.exists():
+        shutil.rmtree(build)
+    else:
+        os.rename(build, final)
+    link_tmp = images_dir / f".{name}.link"
+    link_tmp.unlink(missing_ok=True)
+    link_tmp.symlink_to(final.name)
+    os.replace(link_tmp, images_dir / name)
+    return final
