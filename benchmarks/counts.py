@@ -1,0 +1,190 @@
+"""Counts that do not drift with the machine, per revision: what "no regression" is judged by.
+
+- **syscalls per call**: the jail's processes (the zygote and each call's child) under
+  `strace -f -c` while 1,000 `print(1)` calls run one after another on one slot, divided by the
+  calls; the totals per syscall name come with it.
+- **gateway instructions per request**: `valgrind --tool=callgrind` over the real app (`create_app`)
+  with an in-memory queue behind it that answers every call `ok` at once, so only the gateway's own
+  work is counted; two runs (N and 5N requests through httpx's ASGI transport) and their difference
+  per request, which leaves start-up out. For `/v1/execute` and `/run_code`.
+
+    python benchmarks/counts.py [REV ...] [--calls 1000] [--requests 50] [--json out.json]
+
+Each revision (default: the working tree) runs from a worktree of its own with this environment's
+packages (`PYTHONPATH`). Needs root, nsjail, strace and valgrind. About 3 minutes per revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ab_revisions import ROOT, worktree  # this directory: run as a script
+
+HERE = Path(__file__).resolve()
+ROUTES = {
+    "/v1/execute": {"code": "print(1)"},
+    "/run_code": {"code": "print(1)", "language": "python"},
+}
+
+
+# --- inside a revision's environment -------------------------------------------------------------
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *descendants(int(child))]
+    return out
+
+
+async def engine_syscalls(calls: int) -> dict[str, object]:
+    from codeenv import ExecRequest, SandboxSettings, SlotPool
+
+    pool = SlotPool(SandboxSettings(slots=1, session_spares=False))
+    await pool.start()
+    try:
+        request = ExecRequest(code="print(1)", profile="light")
+        for _ in range(20):  # warm: the spare child forked, every lazy path taken once
+            assert (await pool.run(request)).stdout == "1\n"
+        jailed = [p for p in descendants(os.getpid())
+                  if Path(f"/proc/{p}/comm").read_text().strip() != "nsjail"]
+        with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+            tracer = subprocess.Popen(["strace", "-f", "-c", "-o", out.name,
+                                       *(arg for p in jailed for arg in ("-p", str(p)))],
+                                      stderr=subprocess.DEVNULL)
+            await asyncio.sleep(1.0)  # strace attaches
+            for _ in range(calls):
+                assert (await pool.run(request)).stdout == "1\n"
+            tracer.send_signal(signal.SIGINT)
+            tracer.wait(30)
+            by_name = parse_strace(out.read())
+    finally:
+        await pool.close()
+    total = sum(by_name.values())
+    return {"calls": calls, "processes_traced": len(jailed), "per_call": round(total / calls, 2),
+            "by_name_per_call": {k: round(v / calls, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                                 if v / calls >= 0.05}}
+
+
+def parse_strace(summary: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in summary.splitlines():
+        fields = line.split()
+        # % time, seconds, usecs/call, calls, [errors], syscall
+        if len(fields) >= 5 and re.fullmatch(r"[\d.]+", fields[0]) and fields[-1] != "total":
+            counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+async def gateway_requests(route: str, requests: int) -> None:
+    import httpx
+
+    from codeenv.api.app import create_app
+    from codeenv.models import ExecRequest, ExecResult
+    from codeenv.settings import GatewaySettings
+
+    class AnswerAtOnce:
+        """A queue that answers every call `ok` without running it."""
+        pool = None
+        sessions = None
+
+        async def start(self) -> None: ...
+        async def close(self) -> None: ...
+
+        async def submit(self, requests: list[ExecRequest], gone: object = None, accepted_at: float | None = None,
+                         on_result: object = None) -> list[ExecResult]:
+            results = [ExecResult(status="ok", stdout="1\n", exit_code=0, started=True) for _ in requests]
+            if callable(on_result):
+                for i, result in enumerate(results):
+                    on_result(i, result)
+            return results
+
+        def ready(self) -> bool:
+            return True
+
+        def drain(self, until: float) -> None: ...
+        def force(self) -> None: ...
+
+        async def lookup(self, call_id: str) -> tuple[bool, ExecResult | None]:
+            return False, None
+
+        def stats(self) -> dict[str, float]:
+            return {"slots": 1, "free_slots": 1, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
+                    "oldest_wait_s": 0.0, "workers": 1}
+
+    queue = AnswerAtOnce()
+    app = create_app(GatewaySettings(), queue)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        for _ in range(requests):
+            response = await client.post(route, json=ROUTES[route])
+            assert response.status_code == 200, response.text
+
+
+# --- driving the revisions -----------------------------------------------------------------------
+
+def inner(tree: Path, *args: str, valgrind: Path | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
+    prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={valgrind}"] if valgrind else []
+    return subprocess.run([*prefix, sys.executable, str(HERE), "--inner", *args], env=env, cwd=tree, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def instructions(tree: Path, route: str, requests: int, tmp: Path) -> int:
+    out = tmp / "callgrind.out"
+    inner(tree, "gateway", route, str(requests), valgrind=out)
+    for line in out.read_text().splitlines():
+        if line.startswith("summary:") or line.startswith("totals:"):
+            return int(line.split()[1])
+    raise SystemExit(f"no totals in {out}")
+
+
+def measure(tree: Path, calls: int, requests: int, tmp: Path) -> dict[str, object]:
+    figures: dict[str, object] = {"syscalls": json.loads(inner(tree, "engine", str(calls)))}
+    for route in ROUTES:
+        small, large = instructions(tree, route, requests, tmp), instructions(tree, route, 5 * requests, tmp)
+        figures[f"instructions {route}"] = round((large - small) / (4 * requests))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("revs", nargs="*", help="git revisions (default: the working tree as it is)")
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--inner", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inner:
+        kind, *rest = args.inner
+        if kind == "engine":
+            print(json.dumps(asyncio.run(engine_syscalls(int(rest[0])))))
+        else:
+            asyncio.run(gateway_requests(rest[0], int(rest[1])))
+        return
+    report: dict[str, object] = {"date": time.strftime("%Y-%m-%d"), "calls": args.calls, "requests": args.requests}
+    with tempfile.TemporaryDirectory(prefix="codeenv-counts-") as tmp:
+        for rev in args.revs or ["working tree"]:
+            tree = ROOT if rev == "working tree" else worktree(rev, Path(tmp))
+            try:
+                report[rev] = measure(tree, args.calls, args.requests, Path(tmp))
+            finally:
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+            print(json.dumps({rev: report[rev]}, indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
