@@ -319,7 +319,18 @@ async def test_code_judge_judge_and_single_endpoints(server: str) -> None:
         cpp = (await c.post("/run", json={"type": "cpp", "solution": "int main(){}"})).json()
         assert cpp["reason"] == "invalid_input" and not cpp["run_success"] and "only 'python'" in cpp["stderr"]
         assert (await c.post("/run/batch", json={"type": "batch", "submissions": []})).status_code == 422
-        assert (await c.post("/run", json={"type": "cobol", "solution": "x"})).status_code == 422
+        cobol = (await c.post("/run", json={"type": "cobol", "solution": "x"})).json()
+        assert cobol["reason"] == "invalid_input" and "type 'cobol' is not supported" in cobol["stderr"]
+        assert (await c.post("/run", json={"type": 1, "solution": "x"})).status_code == 422
+        # One item in a language that does not run here is answered alone; the others run.
+        batch = (await c.post("/run/batch", json={"type": "batch", "submissions": [
+            {"type": "python", "solution": "print(1)", "expected_output": "1"},
+            {"type": "javascript", "solution": "console.log(2)"},
+            {"type": "python", "solution": "print(3)"}]}))
+        assert batch.status_code == 200, batch.text
+        first, js, third = batch.json()["results"]
+        assert first["success"] and third["run_success"] and third["stdout"] == "3\n"
+        assert (js["run_success"], js["reason"]) == (False, "invalid_input") and "'javascript'" in js["stderr"]
         bad = b'{"type": "python", "solution": "print(1)", "sub_id": "\\ud800"}'
         assert (await c.post("/run", content=bad, headers={"content-type": "application/json"})).status_code == 422
         bad = b'{"type": "python", "solution": "print(\\"\\ud800\\")"}'
