@@ -547,6 +547,13 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
         assert created.headers["location"] == f"/v1/sessions/{sid}"
         bare = await c.post("/v1/sessions")  # no body at all is fine
         assert bare.status_code == 201 and bare.json()["profile"] == "math"
+        # An empty body sent as JSON (what `requests.post(url, headers=...)` sends) is no options too.
+        as_json = {"content-type": "application/json"}
+        empty = await c.post("/v1/sessions", content=b"", headers=as_json)
+        assert empty.status_code == 201 and empty.json()["profile"] == "math", empty.text
+        no_code = await c.post(f"/v1/sessions/{sid}/execute", content=b"", headers=as_json)
+        assert no_code.status_code == 422 and "code" in no_code.text  # {} to the cell: it names what is missing
+        assert (await c.post("/v1/execute", content=b"", headers=as_json)).status_code == 400
         ran = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 6\nx * 7"})
         assert ran.status_code == 200 and ran.json()["value"] == "42" and ran.json()["execution_count"] == 1
         rolled = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 0\nwhile True: pass",
@@ -577,7 +584,7 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
         assert bad.status_code == 422
         over = await c.post("/v1/sessions", json={"limits": {"wall_s": 10**6}})
         assert over.status_code == 422 and "wall_s" in over.text
-        for s in (fid, bare.json()["session_id"]):
+        for s in (fid, bare.json()["session_id"], empty.json()["session_id"]):
             assert (await c.delete(f"/v1/sessions/{s}")).status_code == 204
 
 

@@ -66,7 +66,9 @@ class Guard:
             routed = not listed and self.json_route is not None and self.json_route(scope["method"], scope["path"])
             if scope["method"] == "POST" and (listed or routed):
                 media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-                # A route with ids in its path (a session's) also takes no body at all, as {}.
+                # The session routes (`json_route`) also take no body at all, as {}: sent without a
+                # Content-Type, or as an empty application/json body (what `requests.post(url,
+                # headers=...)` or `curl -X POST -H 'Content-Type: application/json'` send).
                 empty_ok = routed and not media and headers.get(b"content-length", b"0") == b"0"
                 if media != b"application/json" and not empty_ok:
                     shown = media.decode("latin-1") or "none"
@@ -75,7 +77,7 @@ class Guard:
                 if body is None:
                     return  # the client went away while sending
                 try:
-                    scope[JSON_BODY] = json.loads(body) if body or not empty_ok else {}
+                    scope[JSON_BODY] = json.loads(body) if body.strip() or not routed else {}
                 except RecursionError:  # the C decoder refuses nesting past the recursion limit
                     raise ApiError(400, "the JSON body is nested too deeply") from None
                 except ValueError as exc:
