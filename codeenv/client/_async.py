@@ -185,7 +185,7 @@ class AsyncClient:
             body["profile"] = profile
         if idle_ttl_s is not None:
             body["idle_ttl_s"] = idle_ttl_s
-        return SessionStarter(self, body)
+        return SessionStarter(self, "/v1/sessions", body)
 
     async def _session_request(self, method: str, path: str, body: dict[str, Any] | None = None) -> SessionInfo | None:
         if self._closed:

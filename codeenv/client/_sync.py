@@ -92,7 +92,8 @@ class Session:
         return self._client._call(self._inner.run(code, **options))
 
     def fork(self) -> Session:
-        return Session(self._client, self._client._call(self._inner.fork()))
+        """A new session from this one's current state: ``with s.fork() as f:`` closes it after the block."""
+        return Session(self._client, self._client._call(self._inner.fork()._start()))
 
     def close(self) -> None:
         self._client._call(self._inner.close())
