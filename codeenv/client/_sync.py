@@ -7,7 +7,7 @@ import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from codeenv.client._async import AsyncClient
+from codeenv.client._async import AsyncClient, check_base_url
 from codeenv.client._session import AsyncSession, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
@@ -25,6 +25,7 @@ class Client:
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", **options: Any) -> None:
+        check_base_url(base_url)  # before the thread starts: a refused URL leaves nothing running
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="codeenv-client", daemon=True)
         self._thread.start()
