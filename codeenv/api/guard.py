@@ -28,6 +28,12 @@ from codeenv.settings import GatewaySettings
 ACCEPTED = "codeenv.accepted"
 #: Where Guard leaves a request's parsed JSON body.
 JSON_BODY = "codeenv.json"
+#: The API's documents: with a token they need it too, which a browser does not send.
+DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
+DOCS_HINT = ("; a browser sends none, so with a token /docs cannot open in it: download the document with "
+             "the token (curl -H 'Authorization: Bearer <token>' http://HOST:PORT/openapi.json -o openapi.json) "
+             "and open it in any OpenAPI viewer, or open /docs of a service without a token on your own machine "
+             "(codeenv serve on loopback)")
 
 
 class Guard:
@@ -61,7 +67,9 @@ class Guard:
             if self.expected is not None:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
-                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'"
+                                        + (DOCS_HINT if scope["path"] in DOCS_PATHS
+                                           or scope["path"].startswith("/docs/") else ""))
             listed = scope["path"] in self.json_paths
             routed = not listed and self.json_route is not None and self.json_route(scope["method"], scope["path"])
             if scope["method"] == "POST" and (listed or routed):
