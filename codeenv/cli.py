@@ -91,9 +91,14 @@ def run(
         raise _fail(exc) from exc
 
     async def go() -> ExecResult:
+        from codeenv.sandbox.image import ensure_image
         from codeenv.sandbox.pool import SlotPool
+        from codeenv.sandbox.routing import choose_profile
 
-        async with SlotPool(settings, progress=_progress) as pool:
+        # One program: start only the zygote of the profile it runs in (as the pool would route it).
+        image = await asyncio.to_thread(ensure_image, settings, _progress)
+        needed = profile or choose_profile(code.encode("utf-8", "surrogatepass"), image.spec.profiles).name
+        async with SlotPool(settings, progress=_progress, profiles=[needed]) as pool:
             return await pool.run(request)
 
     try:

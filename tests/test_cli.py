@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,6 +52,18 @@ async def test_a_niced_worker_starts_its_jails_without_warnings_at_its_own_nice_
     assert code == 0, err
     assert json.loads(out)["stdout"] == "5\n"
     assert "setpriority" not in err and "Permission denied" not in err, err
+
+
+@pytest.mark.parametrize(("program", "profile"), [("print(1)", "light"),
+                                                   ("import sympy\nprint(sympy.factorint(12))", "math")])
+async def test_run_starts_only_the_profile_its_program_needs(program: str, profile: str) -> None:
+    code, out, err = await cli("run", "-v", "-", stdin=program)
+    assert code == 0, err
+    assert json.loads(out)["profile"] == profile
+    started = re.findall(r"zygote slot\d+-(\w+) ready", err)
+    assert started == [profile], err  # one zygote, not one per profile of the image
+    code, out, err = await cli("run", "--profile", "nope", "-", stdin="print(1)")
+    assert code == 2 and "unknown profile 'nope'" in err and "Traceback" not in err, err
 
 
 async def test_bad_arguments_get_a_clear_message(tmp_path: Path) -> None:
