@@ -7,7 +7,8 @@ Usage::
     codeenv worker --redis URL [--slots N]
     codeenv run FILE [--stdin TEXT] [--timeout S] [--memory MB]
     codeenv image build [NAME]
-    codeenv bench --target URL|codeenv|naive [--api ...] [--compare ...] [--limit]
+    codeenv bench --target URL|codeenv|codeenv-redis|naive|naive-jail [--api ...] [--mode ...] [--compare ...]
+    codeenv bench --limit [--workload ...]   # the physical limit of a workload here
     codeenv doctor [--json] [--cgroup-root PATH]
 """
 
@@ -90,9 +91,14 @@ def run(
         raise _fail(exc) from exc
 
     async def go() -> ExecResult:
+        from codeenv.sandbox.image import ensure_image
         from codeenv.sandbox.pool import SlotPool
+        from codeenv.sandbox.routing import choose_profile
 
-        async with SlotPool(settings, progress=_progress) as pool:
+        # One program: start only the zygote of the profile it runs in (as the pool would route it).
+        image = await asyncio.to_thread(ensure_image, settings, _progress)
+        needed = profile or choose_profile(code.encode("utf-8", "surrogatepass"), image.spec.profiles).name
+        async with SlotPool(settings, progress=_progress, profiles=[needed]) as pool:
             return await pool.run(request)
 
     try:
@@ -176,14 +182,18 @@ def serve(
 @app.command()
 def bench(
     target: Annotated[str | None, typer.Option(help="URL of the service, or codeenv, codeenv-redis, naive, "
-                                                    "naive-jail to have the bench start one on 127.0.0.1")] = None,
-    api: Annotated[str, typer.Option(help="codeenv, codeenv-client (codeenv's batching client), code-judge "
-                                          "or sandbox-fusion")] = "codeenv",
+                                                    "naive-jail to have the bench start one on 127.0.0.1 "
+                                                    "(and stop it)")] = None,
+    api: Annotated[str, typer.Option(help="codeenv (POST /v1/execute), codeenv-client (codeenv's batching "
+                                          "client), judge (POST /v1/judge; code workloads), code-judge "
+                                          "(POST /run) or sandbox-fusion (POST /run_code)")] = "codeenv",
     compare: Annotated[str | None, typer.Option(help="a second target, run in alternation with the first")] = None,
     compare_api: Annotated[str | None, typer.Option(help="the second target's API [default: --api]")] = None,
-    workload: Annotated[str, typer.Option(help="JSONL file of {code, stdin, timeout}, or math, print, sympy")] = "math",
-    expect: Annotated[Path | None, typer.Option(help="expected outcome per call (JSONL); shipped workloads "
-                                                     "bring their own")] = None,
+    workload: Annotated[str, typer.Option(help="a shipped workload (math, print, sympy, code) or a JSONL file of "
+                                               "{code, stdin, timeout, tag}, or of {code, tests, timeout} "
+                                               "(code workloads)")] = "math",
+    expect: Annotated[Path | None, typer.Option(help="expected outcome per call (JSONL of {status, stdout}); "
+                                                     "shipped workloads bring their own")] = None,
     check: Annotated[bool, typer.Option("--check/--no-check", help="count wrong answers")] = True,
     mode: Annotated[str, typer.Option(help="grpo, concurrency (closed loop) or rate (open loop)")] = "grpo",
     prompts: Annotated[int, typer.Option(min=1, help="grpo: prompts per step")] = 8,
@@ -197,15 +207,22 @@ def bench(
     poisson: Annotated[bool, typer.Option(help="rate: Poisson arrivals instead of evenly spaced")] = False,
     seed: Annotated[int, typer.Option(help="seed of the traffic plan")] = 0,
     procs: Annotated[int, typer.Option(min=1, help="generator processes")] = 1,
-    rounds: Annotated[int, typer.Option(min=1, help="rounds per target (alternating with --compare)")] = 1,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds per target (alternating with --compare: A B, B A, "
+                                                    "...)")] = 1,
     slots: Annotated[int | None, typer.Option(min=1, help="slots of the targets the bench starts")] = None,
-    limit: Annotated[bool, typer.Option("--limit", help="measure the workload's physical limit here")] = False,
+    limit: Annotated[bool, typer.Option("--limit", help="measure the workload's physical limit here (its "
+                                                        "programs' CPU time over this machine's cores), before and "
+                                                        "after the rounds; or alone, with no --target")] = False,
     write_expect: Annotated[Path | None, typer.Option(help="with --limit: write each call's outcome here")] = None,
-    out: Annotated[Path, typer.Option(help="where the JSON report and the PNG figure go")] = Path("."),
+    out: Annotated[Path, typer.Option(help="where bench-TIME.json (every figure) and bench-TIME.png (latency "
+                                           "CDF, throughput over time) go")] = Path("."),
     http_timeout: Annotated[float, typer.Option(min=1, help="seconds to wait for one answer")] = 300.0,
 ) -> None:
-    """Load-test a sandbox with GRPO-shaped rollout traffic (or fixed concurrency, or a fixed rate)
-    and report throughput, latency (queue wait, run time, overhead), step makespan and correctness."""
+    """Load-test a sandbox with GRPO-shaped rollout traffic (--mode grpo), a fixed number of calls in
+    flight (concurrency) or a fixed rate (rate), and report throughput (calls the service ran per
+    second, from the round's first call: the progress bar shows the same figure so far), latency
+    (queue wait, run time, overhead), step makespan and correctness. Exit status 1 if a call was
+    answered wrongly or not run, 2 if the bench could not run."""
     from codeenv.bench.apis import APIS, TargetError
     from codeenv.bench.main import BenchFailed, Options, run_bench
     from codeenv.bench.traffic import Scenario, Think

@@ -19,6 +19,7 @@ import json
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from codeenv.compare import same_output, same_value
 from codeenv.errors import ZygoteDied
@@ -38,6 +39,10 @@ from codeenv.sandbox.zygote_proc import Submission, TestOutcome, ZygoteProcess
 
 #: Bytes of each stream (and of a returned value) a test's result carries; the comparison sees all.
 RETURNED_BYTES = 4096
+#: How deep a returned value may nest and still come back as itself: JSON parsers on its way
+#: (pydantic's among them, at about 200 levels) refuse deeper values, which must not turn a
+#: program's result into a service fault.
+RETURNED_DEPTH = 64
 #: Room for an uncaught exception's report, beside a function-call test's returned value.
 REPORT_SLACK = 64 << 10
 
@@ -46,6 +51,45 @@ REPORT_SLACK = 64 << 10
 
 def _text(data: bytes, limit: int = RETURNED_BYTES) -> str:
     return data[:limit].decode("utf-8", "replace")
+
+
+def _depth(value: Any) -> int:
+    """How deep a JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, list):
+            stack.extend((x, depth + 1) for x in item)
+        elif isinstance(item, dict):
+            stack.extend((x, depth + 1) for x in item.values())
+    return deepest
+
+
+def returned(value: Any) -> tuple[Any, bool]:
+    """A function's returned value as a test's result carries it: (the JSON value, its lone
+    surrogates replaced, False), or
+    (None, True) when it cannot come back whole: its JSON over RETURNED_BYTES, nested deeper than
+    RETURNED_DEPTH, or holding NaN or Infinity (which JSON has no value for)."""
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (ValueError, RecursionError):
+        return None, True
+    if size > RETURNED_BYTES or _depth(value) > RETURNED_DEPTH:
+        return None, True
+    return _encodable(value), False
+
+
+def _encodable(value: Any) -> Any:
+    """`value` with every string (and key) made encodable (a lone surrogate becomes U+FFFD, as in
+    stdout): one program's value never fails a response. Nested at most RETURNED_DEPTH."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, list):
+        return [_encodable(x) for x in value]
+    if isinstance(value, dict):
+        return {printable(k): _encodable(x) for k, x in value.items()}
+    return value
 
 
 def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValues) -> TestResult:
@@ -93,16 +137,16 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
         return result if ok else fail(TestStatus.wrong_answer)
     report = t.report or {}
     if "value" in report:
+        result.value, result.value_truncated = returned(report["value"])
         try:
-            result.value = json.dumps(report["value"])[:RETURNED_BYTES]
             ok = same_value(report["value"], test.expected, spec.float_tol)
         except Exception as exc:  # e.g. 10**400 against a float, or nested past the recursion limit
             return fail(TestStatus.wrong_answer,
                         message=f"the returned value could not be compared: {type(exc).__name__}")
         return result if ok else fail(TestStatus.wrong_answer)
     if "unserializable" in report:
-        result.value = printable(str(report["unserializable"]))[:RETURNED_BYTES]
-        return fail(TestStatus.wrong_answer, message="the returned value is not JSON")
+        shown = printable(str(report["unserializable"]))[:RETURNED_BYTES]
+        return fail(TestStatus.wrong_answer, message=f"the returned value is not JSON: {shown}")
     if "too_large" in report:
         return fail(TestStatus.output_limit, LimitName.output, "the returned value is larger than the output limit")
     return fail(TestStatus.error, message="the program ended without the function returning")

@@ -11,7 +11,16 @@ import sys
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PrivateAttr,
+    model_validator,
+)
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -462,7 +471,11 @@ class TestResult(BaseModel):
     signal: int | None = None
     stdout: str = Field("", description="truncated (the comparison saw it in full)")
     stderr: str = ""
-    value: str | None = Field(None, description="function-call tests: the returned value as JSON (truncated)")
+    value: JsonValue = Field(None, description="function-call tests: the returned value, as a JSON value (null "
+                                               "also when value_truncated)")
+    value_truncated: bool = Field(False, description="the returned value did not come back: its JSON is over "
+                                                     "4 KiB, nests deeper than 64, or holds NaN or Infinity (the "
+                                                     "comparison saw it whole)")
     error: ErrorInfo | None = None
     message: str | None = None
 

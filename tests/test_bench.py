@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 import threading
 from collections import Counter
@@ -21,7 +22,8 @@ import pytest_asyncio
 from codeenv import SlotPool
 from codeenv.api import create_app
 from codeenv.bench.limit import measure_limit
-from codeenv.bench.report import ratios
+from codeenv.bench.report import RunningThroughput, ratios, summarize, throughput_series
+from codeenv.bench.runner import Record, RoundResult
 from codeenv.bench.services import ServiceError, free_port, start_codeenv
 from codeenv.bench.traffic import Scenario, Think, plan, split
 from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expected, load_workload
@@ -362,3 +364,56 @@ def test_a_service_that_exits_before_it_is_ready_says_why(tmp_path: Path) -> Non
                                                    r"invalid settings: CODEENV_SLOTS"):
         service.wait_ready()
     assert service.returncode == 2
+
+
+# --- the report: live figures, the plot, the help ------------------------------------------------
+
+
+def _records(n: int, start: float, span_s: float, errors: int = 0) -> list[Record]:
+    """`n` answered calls of one round starting at `start`, the last one answered `span_s` later."""
+    out: list[Record] = []
+    for i in range(n):
+        done = start + span_s * (i + 1) / n
+        status = "overloaded" if i < errors else "ok"
+        out.append((0, i, 0, start, start, start, done, status, 0.0, 0.001, -1, None))
+    return out
+
+
+@pytest.mark.unit
+def test_the_progress_bar_shows_the_tables_throughput() -> None:
+    """The live figure, fed as the generators flush, ends on the table's figure: both count the calls
+    the service ran from the round's first call (the bar counted from the round's start-up)."""
+    records = _records(290, start=1000.0, span_s=1.0, errors=10)
+    live = RunningThroughput()
+    for k in range(0, len(records), 37):  # flushed a few records at a time
+        live.add(records[k:k + 37])
+    table = summarize([RoundResult(records=records)], len(records), "concurrency", 2)["throughput_per_s"]
+    assert table == pytest.approx(280.0) and live.per_s == pytest.approx(table, abs=1e-3)
+    assert RunningThroughput().per_s == 0.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("span_s", [0.05, 0.4, 3.0, 600.0])
+def test_the_throughput_plot_has_bins_however_short_the_run(span_s: float) -> None:
+    records = _records(200, start=50.0, span_s=span_s)
+    xs, ys = throughput_series(records)
+    assert 20 <= len(xs) <= 41, len(xs)  # about 40 bins: a line, not one point
+    width = xs[1] - xs[0]
+    assert sum(y * width for y in ys) == pytest.approx(200)  # every answered call in a bin
+
+
+@pytest.mark.unit
+def test_bench_help_describes_the_current_options() -> None:
+    from typer.testing import CliRunner
+
+    from codeenv.bench.apis import APIS
+    from codeenv.bench.targets import SPAWNABLE
+    from codeenv.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"},
+                                terminal_width=400)
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.split())
+    shipped = sorted(p.name.removesuffix(".jsonl") for p in SHIPPED.glob("*.jsonl") if ".expect" not in p.name)
+    for word in [*APIS, *SPAWNABLE, *shipped, "grpo", "concurrency", "rate"]:  # each as a word of its own
+        assert re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", help_text), word

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.jail
 CLI = [sys.executable, "-m", "codeenv.cli"]
 
 
-async def cli(*args: str, stdin: str = "", **env_vars: str) -> tuple[int, str, str]:
+async def cli(*args: str, stdin: str = "", wrapper: tuple[str, ...] = (), **env_vars: str) -> tuple[int, str, str]:
     env = jail_env(**env_vars)
     proc = await asyncio.create_subprocess_exec(
-        *CLI, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        *wrapper, *CLI, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=env)
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 120)
     assert proc.returncode is not None
@@ -40,6 +41,29 @@ async def test_run_reads_standard_input() -> None:
     code, out, err = await cli("run", "-", stdin="print(6 * 7)")
     assert code == 0, err
     assert json.loads(out)["stdout"] == "42\n"
+
+
+async def test_a_niced_worker_starts_its_jails_without_warnings_at_its_own_nice_level() -> None:
+    """nsjail warned `setpriority(0): Permission denied` at every jail start under `nice` (it cannot
+    raise a priority inside the jail's user namespace); the jail runs at the worker's level, never
+    at a better one."""
+    code, out, err = await cli("run", "-", stdin="import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))",
+                               wrapper=("nice", "-n", "5"))
+    assert code == 0, err
+    assert json.loads(out)["stdout"] == "5\n"
+    assert "setpriority" not in err and "Permission denied" not in err, err
+
+
+@pytest.mark.parametrize(("program", "profile"), [("print(1)", "light"),
+                                                   ("import sympy\nprint(sympy.factorint(12))", "math")])
+async def test_run_starts_only_the_profile_its_program_needs(program: str, profile: str) -> None:
+    code, out, err = await cli("run", "-v", "-", stdin=program)
+    assert code == 0, err
+    assert json.loads(out)["profile"] == profile
+    started = re.findall(r"zygote slot\d+-(\w+) ready", err)
+    assert started == [profile], err  # one zygote, not one per profile of the image
+    code, out, err = await cli("run", "--profile", "nope", "-", stdin="print(1)")
+    assert code == 2 and "unknown profile 'nope'" in err and "Traceback" not in err, err
 
 
 async def test_bad_arguments_get_a_clear_message(tmp_path: Path) -> None:

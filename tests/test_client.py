@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,7 @@ from codeenv.client import (
     neutralize,
     truncate_middle,
 )
+from codeenv.integrations.tool import ToolSettings
 from codeenv.models import ErrorInfo, ExecResult, Status
 from codeenv.rl import ToolLedger
 from codeenv.settings import GatewaySettings
@@ -134,6 +136,21 @@ async def test_a_dead_server_is_the_librarys_exception() -> None:
     with pytest.raises(ClientClosed):
         await client.run("print(1)")
     await client.aclose()  # idempotent
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("url", "fix"), [("127.0.0.1:8000", "'http://127.0.0.1:8000'"),
+                                          ("localhost:8000", "'http://localhost:8000'"),
+                                          ("ftp://127.0.0.1:8000", "'http://HOST:PORT'"), ("", "'http://HOST:PORT'")])
+def test_a_base_url_without_http_is_refused_at_once(url: str, fix: str) -> None:
+    """Not retried as unreachable: refused when the client is made, naming the URL to write."""
+    threads = threading.active_count()
+    for make in (AsyncClient, Client, lambda u: ToolSettings.from_mapping({"url": u})):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"base_url {url!r} is not an http:// or https:// URL") as info:
+            make(url)
+        assert fix in str(info.value) and time.monotonic() - t0 < 0.5
+    assert threading.active_count() == threads  # the blocking client started no thread
 
 
 @pytest.mark.jail

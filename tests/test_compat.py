@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from sandbox_fusion import RunCodeRequest, run_code
+from sandbox_fusion import RunCodeRequest, SummaryMapping, run_code, summary_run_code_result
 
 from codeenv import SlotPool
 from codeenv.api import create_app
@@ -78,11 +79,24 @@ async def test_sandbox_fusion_as_verl_sends_it(server: str) -> None:
         assert "run_timeout 500s clamped to the server's cap of 120s" in body["message"]
         assert (await c.post("/run_code", json={"code": "print(3)"})).json()["run_result"]["stdout"] == "3\n"
         cpp = (await c.post("/run_code", json={"code": "int main(){}", "language": "cpp"})).json()
-        assert cpp["status"] == "SandboxError" and "only python and pytest run here" in cpp["message"]
+        assert cpp["status"] == "Failed" and "only python and pytest run here" in cpp["message"]
         assert (await c.get("/v1/ping")).json() == "pong"
         for bad in ({"code": 1}, {"code": "1", "fetch_files": ["../x"]}, {"code": "1", "files": {"/etc/x": ""}}):
             r = await c.post("/run_code", json=bad)
             assert r.status_code == 422, r.text
+
+
+async def test_sandbox_fusion_client_unsupported_language_is_not_retried(server: str) -> None:
+    """The package's client retries a SandboxError and any non-200 answer with backoff (5 attempts,
+    ~17 s): an unsupported language must come back at once, as a failure that says why."""
+    start = time.monotonic()
+    resp = await asyncio.to_thread(run_code, RunCodeRequest(language="cpp", code="int main() { return 0; }"),
+                                   endpoint=server)  # the client's own retry policy: max_attempts=5
+    elapsed = time.monotonic() - start
+    assert resp.status == "Failed" and "language 'cpp' is not supported" in resp.message, resp
+    assert resp.compile_result is None and resp.run_result is None
+    assert summary_run_code_result(resp, SummaryMapping()) == SummaryMapping().Failed
+    assert elapsed < 1.0, f"the client took {elapsed:.1f}s: it retried (its first retry waits 1-2 s)"
 
 
 async def test_sandbox_fusion_fetch_refusals(server: str) -> None:
@@ -305,7 +319,18 @@ async def test_code_judge_judge_and_single_endpoints(server: str) -> None:
         cpp = (await c.post("/run", json={"type": "cpp", "solution": "int main(){}"})).json()
         assert cpp["reason"] == "invalid_input" and not cpp["run_success"] and "only 'python'" in cpp["stderr"]
         assert (await c.post("/run/batch", json={"type": "batch", "submissions": []})).status_code == 422
-        assert (await c.post("/run", json={"type": "cobol", "solution": "x"})).status_code == 422
+        cobol = (await c.post("/run", json={"type": "cobol", "solution": "x"})).json()
+        assert cobol["reason"] == "invalid_input" and "type 'cobol' is not supported" in cobol["stderr"]
+        assert (await c.post("/run", json={"type": 1, "solution": "x"})).status_code == 422
+        # One item in a language that does not run here is answered alone; the others run.
+        batch = (await c.post("/run/batch", json={"type": "batch", "submissions": [
+            {"type": "python", "solution": "print(1)", "expected_output": "1"},
+            {"type": "javascript", "solution": "console.log(2)"},
+            {"type": "python", "solution": "print(3)"}]}))
+        assert batch.status_code == 200, batch.text
+        first, js, third = batch.json()["results"]
+        assert first["success"] and third["run_success"] and third["stdout"] == "3\n"
+        assert (js["run_success"], js["reason"]) == (False, "invalid_input") and "'javascript'" in js["stderr"]
         bad = b'{"type": "python", "solution": "print(1)", "sub_id": "\\ud800"}'
         assert (await c.post("/run", content=bad, headers={"content-type": "application/json"})).status_code == 422
         bad = b'{"type": "python", "solution": "print(\\"\\ud800\\")"}'

@@ -63,8 +63,10 @@ async def test_docs_need_the_token_like_every_path() -> None:
     """With a token a browser gets 401 on /docs (the README says how to read the document then)."""
     token = "t" * 32
     async with app(token) as client:
-        assert (await client.get("/docs")).status_code == 401
-        assert (await client.get("/openapi.json")).status_code == 401
+        for path in ("/docs", "/redoc", "/openapi.json", "/docs/assets/swagger-ui.css"):
+            refused = await client.get(path)  # what the browser shows: how to read the document instead
+            assert refused.status_code == 401 and "curl -H 'Authorization: Bearer <token>'" in refused.text, path
+        assert "/openapi.json" not in (await client.get("/v1/results/x")).text  # other paths: the plain answer
         headers = {"Authorization": f"Bearer {token}"}
         assert (await client.get("/docs", headers=headers)).status_code == 200
         assert (await client.get("/openapi.json", headers=headers)).status_code == 200

@@ -277,7 +277,7 @@ async def test_a_test_that_ends_the_submissions_process_is_judged_as_if_alone(ap
                 "    return [x, sys.stdin.read()]\n")  # alone too, with no input
     result = await judge(api, code=function, fn_name="f", tests=[{"args": [1], "expected": [1, ""]},
                                                                   {"args": [2], "expected": [3, ""]}])
-    assert statuses(result) == ["passed", "wrong_answer"] and result["tests"][1]["value"] == '[2, ""]'
+    assert statuses(result) == ["passed", "wrong_answer"] and result["tests"][1]["value"] == [2, ""]
 
 
 # --- function-call tests ------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ async def test_function_call_tests(api: httpx.AsyncClient) -> None:
         {"args": [1, 2], "expected": 3}, {"args": [0.1, 0.2], "expected": 0.3},
         {"args": [[1], [2]], "expected": [1, 2]}, {"args": ["a", "b"], "expected": "ba"}, {"args": [1], "expected": 1}])
     assert statuses(plain) == ["passed", "passed", "passed", "wrong_answer", "error"]
-    assert plain["tests"][3]["value"] == '"ab"'
+    assert plain["tests"][3]["value"] == "ab" and not plain["tests"][3]["value_truncated"]
     assert plain["tests"][4]["error"]["type"] == "TypeError"
     leetcode = await judge(api, code="""
 from typing import List
@@ -306,6 +306,50 @@ class Solution:
     assert statuses(leetcode) == ["passed"] * 3
     odd = await judge(api, code="def f():\n    return {1, 2}\n", fn_name="f", tests=[{"args": [], "expected": [1, 2]}])
     assert statuses(odd) == ["wrong_answer"] and "not JSON" in odd["tests"][0]["message"]
+
+
+RETURNS = """
+def f(kind):
+    if kind == "dict":
+        return {"a": [1, 2.5, None, True], "b": {"c": "d"}}
+    if kind == "text":
+        return "[1, 2]"
+    if kind == "none":
+        return None
+    if kind == "surrogate":
+        return {chr(0xDC80): [chr(0xD800) + "x"]}
+    if kind == "nan":
+        return [float("nan")]
+    if kind == "large":
+        return list(range(5000))
+    x = []
+    for _ in range(kind):
+        x = [x]
+    return x
+"""
+
+
+@pytest.mark.jail
+async def test_a_returned_value_comes_back_as_json_not_as_text(api: httpx.AsyncClient, pool: SlotPool) -> None:
+    deep: list[Any] = []
+    for _ in range(10):
+        deep = [deep]
+    mapping = {"a": [1, 2.5, None, True], "b": {"c": "d"}}
+    cases = [("dict", mapping, "passed", mapping),
+             ("text", [1, 2], "wrong_answer", "[1, 2]"),  # a string that looks like JSON stays a string
+             ("none", None, "passed", None), (10, deep, "passed", deep),
+             ("surrogate", 0, "wrong_answer", {"\ufffd": ["\ufffdx"]})]  # as stdout shows them
+    left_out = [("nan", [0], "wrong_answer"), ("large", list(range(5000)), "passed"), (500, 0, "wrong_answer")]
+    result = await judge(api, code=RETURNS, fn_name="f", tests=[{"args": [k], "expected": e} for k, e, *_ in
+                                                                 cases + left_out])
+    got = [(t["status"], t["value"], t["value_truncated"]) for t in result["tests"]]
+    assert got == [(status, value, False) for _, _, status, value in cases] + [
+        (status, None, True) for _, _, status in left_out], got
+    # The client's JudgeResult carries the same values.
+    async with AsyncClient(transport=httpx.ASGITransport(app=create_app(GatewaySettings(slots=2), SharedPoolQueue(
+            pool, 64))), base_url="http://localhost") as client:
+        judged = await client.judge(RETURNS, [{"args": ["dict"], "expected": 0}], fn_name="f")
+    assert judged.tests[0].value == mapping
 
 
 @pytest.mark.jail

@@ -18,7 +18,7 @@ import pytest
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.api import create_app
 from codeenv.bench.services import Service
-from codeenv.client import AsyncClient
+from codeenv.client import AsyncClient, Client
 from codeenv.errors import SandboxError, SessionError
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
@@ -547,6 +547,13 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
         assert created.headers["location"] == f"/v1/sessions/{sid}"
         bare = await c.post("/v1/sessions")  # no body at all is fine
         assert bare.status_code == 201 and bare.json()["profile"] == "math"
+        # An empty body sent as JSON (what `requests.post(url, headers=...)` sends) is no options too.
+        as_json = {"content-type": "application/json"}
+        empty = await c.post("/v1/sessions", content=b"", headers=as_json)
+        assert empty.status_code == 201 and empty.json()["profile"] == "math", empty.text
+        no_code = await c.post(f"/v1/sessions/{sid}/execute", content=b"", headers=as_json)
+        assert no_code.status_code == 422 and "code" in no_code.text  # {} to the cell: it names what is missing
+        assert (await c.post("/v1/execute", content=b"", headers=as_json)).status_code == 400
         ran = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 6\nx * 7"})
         assert ran.status_code == 200 and ran.json()["value"] == "42" and ran.json()["execution_count"] == 1
         rolled = await c.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 0\nwhile True: pass",
@@ -577,7 +584,7 @@ async def test_the_session_endpoints(pool: SlotPool) -> None:
         assert bad.status_code == 422
         over = await c.post("/v1/sessions", json={"limits": {"wall_s": 10**6}})
         assert over.status_code == 422 and "wall_s" in over.text
-        for s in (fid, bare.json()["session_id"]):
+        for s in (fid, bare.json()["session_id"], empty.json()["session_id"]):
             assert (await c.delete(f"/v1/sessions/{s}")).status_code == 204
 
 
@@ -657,3 +664,26 @@ async def test_the_client_runs_cells_micro_batched(pool: SlotPool) -> None:
                 await b.close()
         lost = await s.run("1")
         assert lost.status == "session_lost"
+
+
+async def test_a_fork_opened_in_a_with_block_is_closed_after_it(pool: SlotPool) -> None:
+    """`async with s.fork() as f:` (and `with s.fork() as f:` blocking) ends the fork with its block,
+    as `client.session()` does; a fork left open would live until its idle TTL."""
+    async with serving(app_for(pool)) as url, AsyncClient(url) as client:
+        async with client.session(profile="light") as s:
+            await s.run("x = 1")
+            async with s.fork() as f:
+                assert (await f.run("x + 1")).value == "2"
+            assert f.closed and (await f.run("x")).status == "session_lost"
+            kept = await s.fork()  # awaited: the caller closes it
+            assert (await kept.run("x")).value == "1"
+            await kept.close()
+
+        def blocking() -> tuple[str | None, str, str]:
+            with Client(url) as sync, sync.session(profile="light") as t:
+                t.run("y = 5")
+                with t.fork() as g:
+                    value = g.run("y * 2").value
+                return value, g.run("y").status, t.run("y").status
+
+        assert await asyncio.to_thread(blocking) == ("10", "session_lost", "ok")

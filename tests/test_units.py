@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,14 @@ def test_an_embedded_queue_takes_session_cells_before_its_pool_has_started() -> 
     queue = EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8)
     assert sessions_supported(queue) and sessions_of(queue) is None
     assert not sessions_supported(object())
+
+
+def test_the_readme_lists_every_field_code_judge_requests_take() -> None:
+    """The README's table of code-judge's request fields names each field of the models, and no other."""
+    from codeenv.api.compat import BatchSubmission, Submission
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("Requests take code-judge's fields", 1)[1].split("\n\n", 2)[1]
+    documented = {name for row in table.splitlines()[2:]
+                  for name in re.findall(r"`(\w+)(?:: \"\w+\")?`", row.split("|")[1])}
+    assert documented == set(Submission.model_fields) | set(BatchSubmission.model_fields), documented

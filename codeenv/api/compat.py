@@ -58,7 +58,10 @@ class Submission(BaseModel):
     ]})
 
     sub_id: Text | None = None
-    type: Literal["python", "cpp", "math"]
+    # Any language name: one that does not run here is answered for its submission alone
+    # (`invalid_input`), so a batch with a stray `javascript` item still runs the others.
+    type: str = Field(description="the language: only \"python\" runs here; any other is answered "
+                                  "reason \"invalid_input\" for that submission alone")
     solution: str
     input: str | None = None
     expected_output: str | None = None
@@ -384,7 +387,10 @@ def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
         except InvalidRequest as exc:
             raise ApiError(422, str(exc)) from None
         if body.language not in (*PYTHON_LANGUAGES, PYTEST):
-            return JSONResponse({"status": "SandboxError", "compile_result": None, "run_result": None,
+            # `Failed`, not `SandboxError`: the sandbox-fusion client retries a SandboxError (and any
+            # non-200) with backoff, ~17 s for an answer that cannot change. `Failed` with neither a
+            # compile nor a run result is what its summary reads as a plain failure; `message` says why.
+            return JSONResponse({"status": "Failed", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "
                                             "only python and pytest run here", "executor_pod_name": None,
                                  "files": {}})

@@ -28,6 +28,12 @@ from codeenv.settings import GatewaySettings
 ACCEPTED = "codeenv.accepted"
 #: Where Guard leaves a request's parsed JSON body.
 JSON_BODY = "codeenv.json"
+#: The API's documents: with a token they need it too, which a browser does not send.
+DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
+DOCS_HINT = ("; a browser sends none, so with a token /docs cannot open in it: download the document with "
+             "the token (curl -H 'Authorization: Bearer <token>' http://HOST:PORT/openapi.json -o openapi.json) "
+             "and open it in any OpenAPI viewer, or open /docs of a service without a token on your own machine "
+             "(codeenv serve on loopback)")
 
 
 class Guard:
@@ -61,12 +67,16 @@ class Guard:
             if self.expected is not None:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
-                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+                    raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'"
+                                        + (DOCS_HINT if scope["path"] in DOCS_PATHS
+                                           or scope["path"].startswith("/docs/") else ""))
             listed = scope["path"] in self.json_paths
             routed = not listed and self.json_route is not None and self.json_route(scope["method"], scope["path"])
             if scope["method"] == "POST" and (listed or routed):
                 media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-                # A route with ids in its path (a session's) also takes no body at all, as {}.
+                # The session routes (`json_route`) also take no body at all, as {}: sent without a
+                # Content-Type, or as an empty application/json body (what `requests.post(url,
+                # headers=...)` or `curl -X POST -H 'Content-Type: application/json'` send).
                 empty_ok = routed and not media and headers.get(b"content-length", b"0") == b"0"
                 if media != b"application/json" and not empty_ok:
                     shown = media.decode("latin-1") or "none"
@@ -75,7 +85,7 @@ class Guard:
                 if body is None:
                     return  # the client went away while sending
                 try:
-                    scope[JSON_BODY] = json.loads(body) if body or not empty_ok else {}
+                    scope[JSON_BODY] = json.loads(body) if body.strip() or not routed else {}
                 except RecursionError:  # the C decoder refuses nesting past the recursion limit
                     raise ApiError(400, "the JSON body is nested too deeply") from None
                 except ValueError as exc:

@@ -39,6 +39,20 @@ class _Item:
     last: ExecResult | None = field(default=None)
 
 
+def check_base_url(base_url: str) -> None:
+    """Refuse, at once, a base URL that is not http(s)://HOST[:PORT][/PATH]. Without a scheme
+    ("127.0.0.1:8000") httpx reads it as a relative path (or "localhost" as the scheme), and every
+    call would be retried as unreachable before failing."""
+    try:
+        url = httpx.URL(base_url)
+        ok = url.scheme in ("http", "https") and bool(url.host)
+    except (httpx.InvalidURL, TypeError):
+        ok = False
+    if not ok:
+        fix = f"'http://{base_url}'" if "://" not in base_url and base_url else "'http://HOST:PORT'"
+        raise ValueError(f"base_url {base_url!r} is not an http:// or https:// URL with a host; write it as {fix}")
+
+
 class AsyncClient:
     """Runs programs on a codeenv service; many concurrent calls become few HTTP requests.
 
@@ -69,6 +83,7 @@ class AsyncClient:
                  grace_s: float = 30.0, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None, headers: Mapping[str, str] | None = None,
                  stream: bool = True, seed: int | None = None, session_key: str | None = None) -> None:
+        check_base_url(base_url)
         if max_in_flight < 1 or max_batch < 1 or max_wait_s < 0 or retries < 0:
             raise ValueError("max_in_flight and max_batch must be >= 1, max_wait_s and retries >= 0")
         # Its sessions belong to this key: made per client unless given (to share them between clients).
@@ -185,7 +200,7 @@ class AsyncClient:
             body["profile"] = profile
         if idle_ttl_s is not None:
             body["idle_ttl_s"] = idle_ttl_s
-        return SessionStarter(self, body)
+        return SessionStarter(self, "/v1/sessions", body)
 
     async def _session_request(self, method: str, path: str, body: dict[str, Any] | None = None) -> SessionInfo | None:
         if self._closed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any, Protocol
 
 import httpx
@@ -50,11 +50,11 @@ class AsyncSession:
                               session=self.id, cell_id=cell_id or uuid.uuid4().hex, display_last=True)
         return await self._client.submit(request, ledger=ledger)
 
-    async def fork(self) -> AsyncSession:
-        """A new session from this one's current state (after its running cell, if any)."""
-        info = await self._client._session_request("POST", f"/v1/sessions/{self.id}/fork")
-        assert info is not None
-        return AsyncSession(self._client, info)
+    def fork(self) -> SessionStarter:
+        """A new session from this one's current state (after its running cell, if any): awaited,
+        the fork; used with ``async with s.fork() as f:``, one that is closed at the end of the block
+        (a fork left open lives until its idle TTL)."""
+        return SessionStarter(self._client, f"/v1/sessions/{self.id}/fork", None)
 
     async def close(self) -> None:
         """End the session (idempotent; one that ended already is fine)."""
@@ -74,19 +74,20 @@ class AsyncSession:
 
 
 class SessionStarter:
-    """What `client.session()` returns: awaited, a started AsyncSession; used with `async with`, one
-    that is closed at the end of the block."""
+    """What `client.session()` and `session.fork()` return: awaited, a started AsyncSession; used
+    with `async with`, one that is closed at the end of the block."""
 
-    def __init__(self, client: _Client, body: dict[str, Any]) -> None:
+    def __init__(self, client: _Client, path: str, body: dict[str, Any] | None) -> None:
         self._client = client
+        self._path = path
         self._body = body
         self._session: AsyncSession | None = None
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, AsyncSession]:
         return self._start().__await__()
 
     async def _start(self) -> AsyncSession:
-        info = await self._client._session_request("POST", "/v1/sessions", self._body)
+        info = await self._client._session_request("POST", self._path, self._body)
         assert info is not None
         return AsyncSession(self._client, info)
 

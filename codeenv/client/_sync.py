@@ -7,7 +7,7 @@ import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from codeenv.client._async import AsyncClient
+from codeenv.client._async import AsyncClient, check_base_url
 from codeenv.client._session import AsyncSession, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
@@ -25,6 +25,7 @@ class Client:
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", **options: Any) -> None:
+        check_base_url(base_url)  # before the thread starts: a refused URL leaves nothing running
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="codeenv-client", daemon=True)
         self._thread.start()
@@ -92,7 +93,8 @@ class Session:
         return self._client._call(self._inner.run(code, **options))
 
     def fork(self) -> Session:
-        return Session(self._client, self._client._call(self._inner.fork()))
+        """A new session from this one's current state: ``with s.fork() as f:`` closes it after the block."""
+        return Session(self._client, self._client._call(self._inner.fork()._start()))
 
     def close(self) -> None:
         self._client._call(self._inner.close())

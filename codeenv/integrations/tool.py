@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from codeenv.client import AsyncClient, format_feedback
+from codeenv.client._async import check_base_url
 from codeenv.client.errors import ClientError
 from codeenv.models import SERVICE_FAULTS, ExecResult, Status
 from codeenv.rl import ToolLedger
@@ -65,6 +66,7 @@ class ToolSettings:
             raise ValueError(f"style must be 'default' or 'rstar2', not {settings.style!r}")
         if settings.max_output_chars < 16:
             raise ValueError("max_output_chars must be at least 16")
+        check_base_url(settings.url)  # at the tool's creation, not at the rollout's first call
         return settings
 
 

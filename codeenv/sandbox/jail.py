@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -76,6 +77,16 @@ def jail_env(image: Image) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
+def jail_nice() -> int:
+    """The jail's nice level: 0 (nsjail's default is 19), or the worker's own if it runs nicer.
+
+    nsjail calls setpriority() after entering the jail's user namespace, where lowering a nice
+    level needs a capability it no longer has: asking for 0 from a worker started with `nice` was
+    refused with a warning at every jail start (and the jail kept the worker's level anyway). A jail
+    never gets a higher priority than 0, even under a worker that has one."""
+    return max(0, os.getpriority(os.PRIO_PROCESS, 0))
+
+
 def jail_config(
     settings: SandboxSettings, image: Image, profile: Profile, zygote_dir: Path, host_uid: int,
     ctl_fd: int = CTL_FD,
@@ -103,7 +114,7 @@ def jail_config(
         hostname="codeenv",
         cwd=WORKDIR,
         time_limit=0,  # the zygote lives as long as its slot
-        nice_level=0,
+        nice_level=jail_nice(),
         max_cpus=0,
         keep_env=False,
         envar=jail_env(image),

@@ -25,7 +25,7 @@ import shutil
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from codeenv.admission import admit, decoded_files, judge_limits
@@ -150,9 +150,15 @@ class _SlotBroker:
 class SlotPool:
     """A pool of warm, jailed zygotes that runs calls with hard limits and structured results."""
 
-    def __init__(self, settings: SandboxSettings | None = None, progress: Progress | None = None) -> None:
+    def __init__(self, settings: SandboxSettings | None = None, progress: Progress | None = None,
+                 profiles: Collection[str] | None = None) -> None:
+        """`profiles`: start only these profiles' zygotes (all the image declares when None), and
+        route calls among them; `codeenv run` starts the one profile its program needs."""
         self.settings = settings or SandboxSettings()
         self.progress = progress
+        self._wanted = None if profiles is None else list(profiles)
+        #: The profiles whose zygotes run (set at start).
+        self.profiles: list[Profile] = []
         self.image: Image | None = None
         self.slots: list[Slot] = []
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
@@ -185,9 +191,14 @@ class SlotPool:
         nsjail = nsjail_binary(settings)
         _remove_stale_runtime(settings.runtime_dir)
         tag = f"codeenv-{os.getpid()}-{next(_pool_ids)}"
+        self.profiles = ([self.image.profile(name) for name in dict.fromkeys(self._wanted)]
+                         if self._wanted is not None else list(self.image.spec.profiles))
+        if not self.profiles:
+            raise ImageError("a pool needs at least one profile")
         self._tree = CgroupTree.create(settings.cgroup_root, tag)  # also kills dead workers' jails
         try:
-            plan = plan_slots(settings, self.image.spec, memory_allowance(self._tree.layout))
+            spec = self.image.spec.model_copy(update={"profiles": self.profiles})
+            plan = plan_slots(settings, spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
             sessions_max = _sessions_max(settings, len(self.image.spec.profiles), slots)
             check_user_namespace(settings)
@@ -222,7 +233,7 @@ class SlotPool:
                     settings, self.image, profile, self.uid_base + i,
                     self._tree.group(f"slot{i}-{profile.name}"), nsjail, self._runtime, zygote_dir,
                 )
-                for profile in self.image.spec.profiles
+                for profile in self.profiles
             }
             for z in zygotes.values():
                 z.on_death = self._zygote_died
@@ -244,7 +255,7 @@ class SlotPool:
         self._open = True
         self._supervisor = asyncio.create_task(self._supervise(), name="codeenv-supervisor")
         logger.info("slot pool ready: %d slots x %d profiles, image %s (%s), host uids from %d%s", len(self.slots),
-                    len(self.image.spec.profiles), self.image.name, self.image.short_hash, self.uid_base,
+                    len(self.profiles), self.image.name, self.image.short_hash, self.uid_base,
                     f" (block {self._uids.path.name})" if self._uids is not None else " (CODEENV_UID_BASE)")
 
     def _check_measured_memory(self, plan: SlotPlan) -> None:
@@ -313,8 +324,11 @@ class SlotPool:
                 profile = self.image.profile(request.profile)
             except ImageError as exc:
                 raise InvalidRequest(str(exc)) from None
+            if profile not in self.profiles:
+                raise InvalidRequest(f"profile {request.profile!r} is not started in this pool (started: "
+                                     f"{', '.join(p.name for p in self.profiles)})")
         else:
-            profile = choose_profile(code, self.image.spec.profiles)
+            profile = choose_profile(code, self.profiles)
         return code, stdin, limits, profile
 
     async def run(self, request: ExecRequest, *, slot_index: int | None = None,
