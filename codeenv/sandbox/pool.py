@@ -30,12 +30,12 @@ from pathlib import Path
 
 from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
-from codeenv.judge import judge
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
+from codeenv.sandbox.judge import judge
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
