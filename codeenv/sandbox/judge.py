@@ -16,11 +16,9 @@ Usage (on a worker, with the slot's zygote locked)::
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Awaitable, Callable
 
-from codeenv.compare import same_output, same_value
 from codeenv.errors import ZygoteDied
 from codeenv.models import (
     CompileInfo,
@@ -31,82 +29,12 @@ from codeenv.models import (
     LimitValues,
     TestResult,
     TestStatus,
-    printable,
 )
-from codeenv.sandbox.verdict import error_info
+from codeenv.sandbox.verdict import verdict
 from codeenv.sandbox.zygote_proc import Submission, TestOutcome, ZygoteProcess
 
-#: Bytes of each stream (and of a returned value) a test's result carries; the comparison sees all.
-RETURNED_BYTES = 4096
 #: Room for an uncaught exception's report, beside a function-call test's returned value.
 REPORT_SLACK = 64 << 10
-
-# --- one test's verdict -----------------------------------------------------------------------------
-
-
-def _text(data: bytes, limit: int = RETURNED_BYTES) -> str:
-    return data[:limit].decode("utf-8", "replace")
-
-
-def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValues) -> TestResult:
-    """Classify one test from what the worker observed, comparing its output with the expected one.
-    Nothing a program returns makes this raise: a comparison that fails is the test's wrong answer."""
-    result = TestResult(status=TestStatus.passed, wall_s=round(t.wall_s, 6), cpu_s=round(t.cpu_s, 6),
-                        memory_peak_kb=t.memory_peak_kb, stdout=_text(t.stdout), stderr=_text(t.stderr),
-                        error=error_info(t.report))
-    done = t.done
-    if done is not None:
-        status = done.wait_status
-        if status & 0x7F == 0:
-            result.exit_code = (status >> 8) & 0xFF
-        else:
-            result.signal = status & 0x7F
-
-    def fail(status: TestStatus, limit: LimitName | None = None, message: str | None = None) -> TestResult:
-        result.status, result.limit, result.message = status, limit, message
-        return result
-
-    if t.setup_error is not None:
-        return fail(TestStatus.internal_error, message=f"the test could not be set up: {printable(t.setup_error)}")
-    if t.cpu_exceeded or result.signal == signal.SIGXCPU:
-        return fail(TestStatus.timeout, LimitName.cpu, f"over its CPU limit of {limits.cpu_s:g}s "
-                                                       "(the submission's preparation included)")
-    if t.oom_killed:
-        return fail(TestStatus.memory, LimitName.memory, f"over its memory limit of {limits.memory_mb} MiB")
-    if t.output_overflow:
-        return fail(TestStatus.output_limit, LimitName.output, "its output was larger than the output limit")
-    if t.wall_exceeded or (done is not None and done.timed_out):
-        return fail(TestStatus.timeout, LimitName.wall, f"over its wall-clock limit of {limits.wall_s:g}s")
-    if t.lost is not None or done is None:
-        return fail(TestStatus.killed, message=printable(t.lost or "the test ended abnormally"))
-    if result.signal is not None:
-        limit = LimitName.pids if t.pids_limit_hit else None
-        return fail(TestStatus.killed, limit, f"killed by signal {result.signal}")
-    if result.exit_code:
-        return fail(TestStatus.error, message=f"exit code {result.exit_code}")
-    if spec.fn_name is None:
-        actual = t.stdout.decode("utf-8", "replace")
-        try:
-            ok = same_output(actual, test.expected_stdout or "", spec.compare, spec.float_tol)
-        except Exception as exc:  # e.g. too deep or too large to compare: the program's doing
-            return fail(TestStatus.wrong_answer, message=f"its output could not be compared: {type(exc).__name__}")
-        return result if ok else fail(TestStatus.wrong_answer)
-    report = t.report or {}
-    if "value" in report:
-        try:
-            result.value = json.dumps(report["value"])[:RETURNED_BYTES]
-            ok = same_value(report["value"], test.expected, spec.float_tol)
-        except Exception as exc:  # e.g. 10**400 against a float, or nested past the recursion limit
-            return fail(TestStatus.wrong_answer,
-                        message=f"the returned value could not be compared: {type(exc).__name__}")
-        return result if ok else fail(TestStatus.wrong_answer)
-    if "unserializable" in report:
-        result.value = printable(str(report["unserializable"]))[:RETURNED_BYTES]
-        return fail(TestStatus.wrong_answer, message="the returned value is not JSON")
-    if "too_large" in report:
-        return fail(TestStatus.output_limit, LimitName.output, "the returned value is larger than the output limit")
-    return fail(TestStatus.error, message="the program ended without the function returning")
-
 
 # --- a whole submission -----------------------------------------------------------------------------
 
@@ -154,117 +82,154 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
     Returns the outcome and, with the jail's traces wiped and checked, why it must be recycled
     (None if it is ready for the next call). Raises ZygoteDied(started=False) only if nothing ran.
     """
-    tests = spec.tests
-    results: list[TestResult | None] = [None] * len(tests)
-    # Compared after the last test ran (a comparison's time must not tell the next test anything of the
-    # expected answer), except with stop_on_failure, where a failure decides what runs next.
-    observations: dict[int, TestOutcome] = {}
-    outcome = JudgeOutcome(total=len(tests))
-    mode = "stdin" if spec.fn_name is None else "function"
-    deadline = time.monotonic() + total_wall_s
-    index = 0
-    sub: Submission | None = None
-    alone = False  # the test at `index` ended the submission's process: run it again alone
+    return await _Judging(zygote, code, spec, limits, total_wall_s, restart).run()
 
-    def settle(i: int, observed: TestOutcome) -> bool:
+
+class _Judging:
+    """One submission's run against its tests: which test is next, and in which process it runs."""
+
+    def __init__(self, zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues,
+                 total_wall_s: float, restart: Restart) -> None:
+        self.zygote, self.code, self.spec, self.limits, self.restart = zygote, code, spec, limits, restart
+        self.total_wall_s = total_wall_s
+        self.deadline = time.monotonic() + total_wall_s
+        self.tests = spec.tests
+        self.results: list[TestResult | None] = [None] * len(self.tests)
+        # Compared after the last test ran (a comparison's time must not tell the next test anything of
+        # the expected answer), except with stop_on_failure, where a failure decides what runs next.
+        self.observations: dict[int, TestOutcome] = {}
+        self.outcome = JudgeOutcome(total=len(self.tests))
+        self.mode = "stdin" if spec.fn_name is None else "function"
+        self.index = 0
+        self.sub: Submission | None = None
+        self.alone = False  # the test at `index` ended the submission's process: run it again alone
+
+    async def run(self) -> tuple[JudgeOutcome, str | None]:
+        try:
+            while self.index < len(self.tests):
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0:
+                    self.finish_all(TestStatus.timeout, "not run: the submission's total wall-clock limit of "
+                                                        f"{self.total_wall_s:g}s was spent", LimitName.wall)
+                    break
+                if self.sub is not None:  # a restart: the last process ended; the jail must be clean first
+                    await self.sub.close()
+                    self.sub = None
+                    await self.clean_or_restart()
+                if self.alone:
+                    if not await self.run_alone():
+                        break
+                    continue
+                ready = await self.prepare(remaining)
+                if ready is None:
+                    continue
+                if not ready:
+                    break
+                await self.run_tests(self.sub)
+        except BaseException:
+            if self.sub is not None:
+                self.sub.abandon()  # e.g. cancelled: the pool recycles the jail
+            raise
+        problem = None
+        if self.sub is not None:
+            await self.sub.close()
+            problem = await self.problem()
+        for i, observed in self.observations.items():
+            self.results[i] = verdict(observed, self.tests[i], self.spec, self.limits)
+        outcome = self.outcome
+        outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
+                         for r in self.results]
+        outcome.passed = sum(r.status is TestStatus.passed for r in outcome.tests)
+        return outcome, problem
+
+    async def problem(self) -> str | None:
+        """Why the jail must be recycled after a process ended in it (None: clean)."""
+        return "the zygote is gone" if self.zygote.dead else await self.zygote.finish()
+
+    async def clean_or_restart(self) -> None:
+        problem = await self.problem()
+        if problem is not None:
+            self.zygote = await self.restart(problem)
+
+    def settle(self, i: int, observed: TestOutcome) -> bool:
         """Keep test i's observation; whether the run goes on after it."""
-        if not spec.stop_on_failure:
-            observations[i] = observed
+        if not self.spec.stop_on_failure:
+            self.observations[i] = observed
             return True
-        results[i] = result = verdict(observed, tests[i], spec, limits)
+        self.results[i] = result = verdict(observed, self.tests[i], self.spec, self.limits)
         if result.status is TestStatus.passed:
             return True
-        finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+        self.finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
         return False
 
-    def finish_all(status: TestStatus, message: str, limit: LimitName | None = None) -> None:
-        for i in range(index, len(tests)):
-            if results[i] is None:
-                results[i] = TestResult(status=status, limit=limit, message=message)
+    def finish_all(self, status: TestStatus, message: str, limit: LimitName | None = None) -> None:
+        for i in range(self.index, len(self.tests)):
+            if self.results[i] is None:
+                self.results[i] = TestResult(status=status, limit=limit, message=message)
 
-    try:
-        while index < len(tests):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                finish_all(TestStatus.timeout, f"not run: the submission's total wall-clock limit of {total_wall_s:g}s "
-                                               "was spent", LimitName.wall)
+    async def run_alone(self) -> bool:
+        """The test at `index`, alone; whether the run goes on after it."""
+        self.alone = False
+        try:
+            observed = await _alone(self.zygote, self.code, self.tests[self.index], self.spec, self.limits)
+        except ZygoteDied:
+            self.zygote = await self.restart("its zygote died")
+            return True  # not started: run it again
+        await self.clean_or_restart()
+        self.index += 1
+        return self.settle(self.index - 1, observed)
+
+    async def prepare(self, remaining_s: float) -> bool | None:
+        """Prepare the submission in a new process: True when its tests can run, None to try again
+        (another mode, or a new jail), False when no test will run (every result is set)."""
+        try:
+            self.sub = sub = await self.zygote.prepare(self.code, self.mode, self.spec.fn_name, self.limits,
+                                                       remaining_s)
+        except ZygoteDied:
+            if self.outcome.prepared == 0:
+                raise
+            self.zygote = await self.restart("its zygote died")
+            self.sub = None
+            return None
+        self.outcome.prepared += 1
+        prepared = sub.prepared
+        if prepared is None:  # the preparation itself failed: as it would before every test alone
+            if self.mode == "function":  # e.g. top-level code that kills itself: each test shows it
+                self.mode = "function_inline"
+                return None
+            lost = sub.lost or ""
+            if lost == "cpu":
+                self.finish_all(TestStatus.timeout, "the submission's preparation ran over the CPU limit",
+                                LimitName.cpu)
+            elif lost == "wall":
+                self.finish_all(TestStatus.timeout, "the submission's preparation ran over the wall limit",
+                                LimitName.wall)
+            else:
+                self.finish_all(TestStatus.internal_error, f"the submission could not be prepared: {lost}")
+            return False
+        if "compile_error" in prepared:
+            self.outcome.compile = CompileInfo(status="error", stderr=str(prepared.get("stderr", ""))[:8000])
+            self.finish_all(TestStatus.skipped, "not run: the code does not compile")
+            return False
+        if "unshared" in prepared:
+            self.mode = "function_inline"  # each test runs the top-level code itself
+            return None
+        self.outcome.compile = CompileInfo(status="ok")
+        return True
+
+    async def run_tests(self, sub: Submission | None) -> None:
+        """Tests in the prepared process while it lives (and time remains)."""
+        assert sub is not None
+        while self.index < len(self.tests) and sub.alive:
+            if time.monotonic() > self.deadline:
                 break
-            if sub is not None:  # a restart: the last process ended; the jail must be clean first
-                await sub.close()
-                sub = None
-                problem = "the zygote is gone" if zygote.dead else await zygote.finish()
-                if problem is not None:
-                    zygote = await restart(problem)
-            if alone:
-                alone = False
-                try:
-                    observed = await _alone(zygote, code, tests[index], spec, limits)
-                except ZygoteDied:
-                    zygote = await restart("its zygote died")
-                    continue  # not started: run it again
-                problem = "the zygote is gone" if zygote.dead else await zygote.finish()
-                if problem is not None:
-                    zygote = await restart(problem)
-                index += 1
-                if not settle(index - 1, observed):
-                    break
-                continue
-            try:
-                sub = await zygote.prepare(code, mode, spec.fn_name, limits, remaining)
-            except ZygoteDied:
-                if outcome.prepared == 0:
-                    raise
-                zygote = await restart("its zygote died")
-                sub = None
-                continue
-            outcome.prepared += 1
-            prepared = sub.prepared
-            if prepared is None:  # the preparation itself failed: as it would before every test alone
-                if mode == "function":  # e.g. top-level code that kills itself: each test shows it
-                    mode = "function_inline"
-                    continue
-                lost = sub.lost or ""
-                if lost == "cpu":
-                    finish_all(TestStatus.timeout, "the submission's preparation ran over the CPU limit",
-                               LimitName.cpu)
-                elif lost == "wall":
-                    finish_all(TestStatus.timeout, "the submission's preparation ran over the wall limit",
-                               LimitName.wall)
-                else:
-                    finish_all(TestStatus.internal_error, f"the submission could not be prepared: {lost}")
+            args, stdin = _test_input(self.tests[self.index], self.spec)
+            observed = await sub.test(self.index, args, stdin, self.limits.output_bytes, report_bytes(self.limits))
+            if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
+                self.alone = True
                 break
-            if "compile_error" in prepared:
-                outcome.compile = CompileInfo(status="error", stderr=str(prepared.get("stderr", ""))[:8000])
-                finish_all(TestStatus.skipped, "not run: the code does not compile")
-                break
-            if "unshared" in prepared:
-                mode = "function_inline"  # each test runs the top-level code itself
-                continue
-            outcome.compile = CompileInfo(status="ok")
-            while index < len(tests) and sub.alive:
-                if time.monotonic() > deadline:
-                    break
-                args, stdin = _test_input(tests[index], spec)
-                observed = await sub.test(index, args, stdin, limits.output_bytes, report_bytes(limits))
-                if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
-                    alone = True
-                    break
-                if observed.done is not None and not observed.done.clean:
-                    sub.lost = "the work dir could not be wiped after a test"
-                index += 1
-                if not settle(index - 1, observed):
-                    index = len(tests)
-    except BaseException:
-        if sub is not None:
-            sub.abandon()  # e.g. cancelled: the pool recycles the jail
-        raise
-    problem = None
-    if sub is not None:
-        await sub.close()
-        problem = "the zygote is gone" if zygote.dead else await zygote.finish()
-    for i, observed in observations.items():
-        results[i] = verdict(observed, tests[i], spec, limits)
-    outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
-                     for r in results]
-    outcome.passed = sum(r.status is TestStatus.passed for r in outcome.tests)
-    return outcome, problem
+            if observed.done is not None and not observed.done.clean:
+                sub.lost = "the work dir could not be wiped after a test"
+            self.index += 1
+            if not self.settle(self.index - 1, observed):
+                self.index = len(self.tests)
