@@ -19,7 +19,7 @@ from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.api import create_app
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient
-from codeenv.errors import SandboxError, SessionError
+from codeenv.errors import InvalidRequest, SandboxError, SessionError
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
@@ -227,6 +227,19 @@ async def test_a_retried_cell_id_runs_once(pool: SlotPool) -> None:
         assert first.value == second.value == third.value == "1"
         assert first.execution_count == second.execution_count == 2
         assert (await cell(pool, s, "n")).value == "1"
+
+
+async def test_a_cell_refused_by_admission_leaves_its_cell_id_free(pool: SlotPool) -> None:
+    """A refused cell never ran: a retry with the same cell_id runs (it once waited for the refused
+    one forever)."""
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        too_big = ExecRequest(code="#" * (pool.settings.max_code_bytes + 1), session=s.id, cell_id="c-1")
+        with pytest.raises(InvalidRequest, match="the limit is"):
+            await pool.run(too_big)
+        async with asyncio.timeout(30):
+            retried = await pool.run(ExecRequest(code="1 + 1", session=s.id, cell_id="c-1", display_last=True))
+        assert retried.status == "ok" and retried.value == "2", retried
 
 
 async def test_a_lock_held_by_a_background_thread_does_not_deadlock_later_cells(pool: SlotPool) -> None:
