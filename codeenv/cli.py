@@ -206,10 +206,9 @@ def bench(
 ) -> None:
     """Load-test a sandbox with GRPO-shaped rollout traffic (or fixed concurrency, or a fixed rate)
     and report throughput, latency (queue wait, run time, overhead), step makespan and correctness."""
-    from codeenv.bench.apis import APIS, TargetError
-    from codeenv.bench.main import BenchFailed, Options, run_bench
+    from codeenv.bench.apis import APIS
+    from codeenv.bench.main import Options, run_bench
     from codeenv.bench.traffic import Scenario, Think
-    from codeenv.bench.workload import WorkloadError
 
     if target is None and not limit:
         raise _fail("give --target (a URL, or codeenv / naive / naive-jail / codeenv-redis), or --limit")
@@ -234,7 +233,7 @@ def bench(
     console = Console()
     try:
         status = run_bench(options, console)
-    except (TargetError, WorkloadError, BenchFailed, CodeenvError, OSError) as exc:
+    except (CodeenvError, OSError) as exc:  # bench's own (errors.BenchError) included
         raise _fail(str(exc)) from exc
     except KeyboardInterrupt:
         raise _fail("interrupted") from None
