@@ -223,10 +223,9 @@ def bench(
     second, from the round's first call: the progress bar shows the same figure so far), latency
     (queue wait, run time, overhead), step makespan and correctness. Exit status 1 if a call was
     answered wrongly or not run, 2 if the bench could not run."""
-    from codeenv.bench.apis import APIS, TargetError
-    from codeenv.bench.main import BenchFailed, Options, run_bench
+    from codeenv.bench.apis import APIS
+    from codeenv.bench.main import Options, run_bench
     from codeenv.bench.traffic import Scenario, Think
-    from codeenv.bench.workload import WorkloadError
 
     if target is None and not limit:
         raise _fail("give --target (a URL, or codeenv / naive / naive-jail / codeenv-redis), or --limit")
@@ -251,7 +250,7 @@ def bench(
     console = Console()
     try:
         status = run_bench(options, console)
-    except (TargetError, WorkloadError, BenchFailed, CodeenvError, OSError) as exc:
+    except (CodeenvError, OSError) as exc:  # bench's own (errors.BenchError) included
         raise _fail(str(exc)) from exc
     except KeyboardInterrupt:
         raise _fail("interrupted") from None

@@ -41,7 +41,7 @@ from codeenv.sandbox.cgroups import (
     require_v2_controllers,
 )
 from codeenv.sandbox.image import Image, ImageSpec, current_image, find_spec, spec_digest
-from codeenv.sandbox.pool import _check_traversable, nsjail_binary
+from codeenv.sandbox.jail import check_traversable, nsjail_binary
 from codeenv.sandbox.probe import missing_library, package_for, probe_jail
 from codeenv.sandbox.sizing import (
     SlotPlan,
@@ -423,7 +423,7 @@ def check_image(report: Report, settings: SandboxSettings) -> tuple[ImageSpec | 
                                                 f"builds it at start, or run `codeenv image build {settings.image}`")
         return spec, None
     try:
-        _check_traversable(image.root)
+        check_traversable(image.root)
     except SandboxError as exc:
         report.add("sandbox image", Level.fail, str(exc))
         return spec, None

@@ -16,6 +16,10 @@ Hierarchy::
     ├── PoolFailed               the pool process of `serve --processes N` kept dying: serve gives up
     ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
     └── BenchError               `codeenv bench` cannot run (a bad target, a failing round)
+        ├── BenchFailed          the bench could not run; its message is all the user sees
+        ├── WorkloadError        a workload or expectation file that cannot be used (also a ValueError)
+        └── TargetError          a target that cannot be benchmarked (down, another API, failing)
+            └── ServiceError     a service the bench (or a test) started was not ready in time
 
 The client (`codeenv.client.errors`) has a tree of its own: it runs where the server does not.
 """
@@ -86,6 +90,22 @@ class QueueUnavailable(CodeenvError):
 
 class BenchError(CodeenvError):
     """`codeenv bench` cannot run: a target that is down or speaks another API, a failing round."""
+
+
+class BenchFailed(BenchError):
+    """The bench could not run; the message says why (no traceback is shown)."""
+
+
+class WorkloadError(BenchError, ValueError):
+    """A workload or expectation file that cannot be used; the message says what to fix."""
+
+
+class TargetError(BenchError):
+    """A target that cannot be benchmarked (down, another API, failing); the message says which."""
+
+
+class ServiceError(TargetError):
+    """A service started here exited before it was ready, or was not ready in time."""
 
 
 class SessionError(CodeenvError):

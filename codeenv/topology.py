@@ -90,7 +90,7 @@ def prepare_jails(settings: SandboxSettings, progress: Progress | None = None) -
     """Build (or find) the image, check that this host can hold the slots and start one jail,
     before binding anything: raises CodeenvError (or OSError) saying what is missing."""
     from codeenv.sandbox.image import ensure_image
-    from codeenv.sandbox.pool import nsjail_binary
+    from codeenv.sandbox.jail import nsjail_binary
     from codeenv.sandbox.probe import probe_jail
     from codeenv.sandbox.sizing import preflight
     from codeenv.sandbox.uids import (

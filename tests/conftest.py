@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -161,13 +161,72 @@ class SharedPoolQueue(EmbeddedQueue):
         pass
 
 
+def pool_app(pool: SlotPool, config: GatewaySettings | None = None, **settings: Any) -> Any:
+    """The gateway over the session's pool, with `config` or GatewaySettings(slots=2, **settings)
+    (for a fixture of a wider scope than `gateway` and `served`)."""
+    config = config or GatewaySettings(slots=SLOTS, **settings)
+    return create_app(config, SharedPoolQueue(pool, config.max_queued))
+
+
+def _app_of(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """How `gateway` and `served` make their app: over `queue` if given, else over the session's
+    pool, for a `jail` test only (a `unit` test passes `queue=FakeQueue()`; it must not start a pool
+    unseen: the tier hook sees only the fixtures a test names)."""
+    pool = request.getfixturevalue("pool") if request.node.get_closest_marker("jail") is not None else None
+
+    def make(queue: Any, settings: dict[str, Any]) -> Any:
+        if queue is not None:
+            return create_app(GatewaySettings(slots=SLOTS, **settings), queue)
+        if pool is None:
+            pytest.fail(f"{request.node.nodeid}: a gateway over the pool is for `jail` tests; a `unit` test "
+                        "passes queue=tests.fakes.FakeQueue()", pytrace=False)
+        return pool_app(pool, **settings)
+
+    return make
+
+
+#: `gateway(queue=None, base_url=..., headers=..., **settings)`, see the fixture.
+GatewayClient = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
+#: `served(queue=None, **settings)`, see the fixture.
+Served = Callable[..., AbstractAsyncContextManager[str]]
+
+
+@pytest.fixture
+def gateway(request: pytest.FixtureRequest) -> GatewayClient:
+    """`async with gateway(**settings) as client`: an httpx client of the gateway in this process
+    (ASGI) with GatewaySettings(slots=2, **settings), over `queue=` if given, else the session's pool."""
+    app_of = _app_of(request)
+
+    @asynccontextmanager
+    async def make(queue: Any = None, base_url: str = "http://localhost", headers: dict[str, str] | None = None,
+                   **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+        transport = httpx.ASGITransport(app=app_of(queue, settings))
+        async with httpx.AsyncClient(transport=transport, base_url=base_url, headers=headers) as client:
+            yield client
+
+    return make
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest) -> Served:
+    """`async with served(**settings) as url`: the gateway as `gateway` makes it, in a real uvicorn."""
+    app_of = _app_of(request)
+
+    @asynccontextmanager
+    async def make(queue: Any = None, **settings: Any) -> AsyncIterator[str]:
+        async with serving(app_of(queue, settings)) as url:
+            yield url
+
+    return make
+
+
 @pytest_asyncio.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
-async def client(request: pytest.FixtureRequest, pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
+async def client(request: pytest.FixtureRequest, pool: SlotPool,
+                 gateway: GatewayClient) -> AsyncIterator[httpx.AsyncClient]:
     """The gateway in both queue modes: embedded, and Redis Streams with a worker on the same pool."""
-    settings = GatewaySettings(slots=2, max_body_bytes=1 << 20, max_batch=64)
+    settings = GatewaySettings(slots=SLOTS, max_body_bytes=1 << 20, max_batch=64)
     if request.param == "embedded":
-        app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+        async with gateway(max_body_bytes=1 << 20, max_batch=64) as c:
             yield c
         return
     redis_server: Service = request.getfixturevalue("redis_server")

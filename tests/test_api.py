@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from codeenv import ExecRequest, SlotPool
-from codeenv.api import create_app
 from codeenv.settings import GatewaySettings
-from tests.conftest import SharedPoolQueue, start_service, until
+from tests.conftest import GatewayClient, SharedPoolQueue, start_service, until
+from tests.fakes import FakeQueue
 
 
 @pytest.mark.jail
@@ -60,20 +60,26 @@ async def test_batch_keeps_order_and_rejects_bad_items_alone(client: httpx.Async
     (b'{"code": "1", "profile": "\\ud800"}', 422, "surrogates"),
     (b'{"code": "1", "id": "a\\udc00"}', 422, "surrogates"),
 ])
-@pytest.mark.jail
-async def test_bad_input_gets_a_clear_4xx(client: httpx.AsyncClient, body: bytes, status: int,
-                                          fragment: str) -> None:
-    r = await client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
+@pytest.mark.unit
+async def test_bad_input_gets_a_clear_4xx(gateway: GatewayClient, body: bytes, status: int, fragment: str) -> None:
+    queue = FakeQueue()
+    async with gateway(queue=queue) as client:
+        r = await client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert fragment in json.dumps(r.json()["detail"])
+    assert fragment in json.dumps(r.json()["detail"]) and not queue.calls
 
 
-@pytest.mark.jail
-async def test_body_and_batch_caps(client: httpx.AsyncClient) -> None:
-    r = await client.post("/v1/execute", json={"code": "#" * (2 << 20)})
-    assert r.status_code == 413 and "limit" in r.json()["detail"]
-    r = await client.post("/v1/execute/batch", json={"requests": [{"code": "1"}] * 65})
-    assert r.status_code == 422 and "at most 64" in r.json()["detail"]
+@pytest.mark.unit
+async def test_body_and_batch_caps(gateway: GatewayClient) -> None:
+    queue = FakeQueue()
+    async with gateway(queue=queue, max_body_bytes=1 << 20, max_batch=64) as client:
+        r = await client.post("/v1/execute", json={"code": "#" * (2 << 20)})
+        assert r.status_code == 413 and "limit" in r.json()["detail"]
+        r = await client.post("/v1/execute/batch", json={"requests": [{"code": "1"}] * 65})
+        assert r.status_code == 422 and "at most 64" in r.json()["detail"]
+        assert not queue.calls
+        r = await client.post("/v1/execute/batch", json={"requests": [{"code": "1"}] * 64})
+        assert r.status_code == 200 and len(queue.calls) == 64
 
 
 @pytest.mark.jail
@@ -90,10 +96,8 @@ async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.jail
-async def test_overload_is_an_explicit_answer(pool: SlotPool) -> None:
-    settings = GatewaySettings(slots=2, max_queued=1)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+async def test_overload_is_an_explicit_answer(gateway: GatewayClient) -> None:
+    async with gateway(max_queued=1) as c:
         r = await c.post("/v1/execute/batch", json={"requests": [{"code": "import time; time.sleep(0.2)"}] * 8})
         statuses = [x["status"] for x in r.json()["results"]]
         assert statuses.count("ok") == 3 and statuses.count("overloaded") == 5  # 2 slots + 1 queued
@@ -108,16 +112,20 @@ def test_non_loopback_bind_needs_a_token() -> None:
     assert GatewaySettings(host="0.0.0.0", insecure=True).insecure
 
 
-@pytest.mark.jail
-async def test_token_is_checked_on_every_endpoint(pool: SlotPool) -> None:
-    settings = GatewaySettings(slots=2, token="s3cret-token-0123456789")
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
-        for method, path in (("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/v1/execute")):
-            assert (await c.request(method, path, json={"code": "1"})).status_code == 401
-        ok = await c.post("/v1/execute", json={"code": "print(1)"},
+@pytest.mark.unit
+async def test_token_is_checked_on_every_endpoint(gateway: GatewayClient) -> None:
+    queue = FakeQueue()
+    async with gateway(queue=queue, token="s3cret-token-0123456789") as c:
+        for method, path in (("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/v1/execute"),
+                             ("POST", "/v1/judge"), ("POST", "/run_code"), ("GET", "/v1/sessions")):
+            assert (await c.request(method, path, json={"code": "1"})).status_code == 401, (method, path)
+        for wrong in ("Bearer s3cret-token-012345678", "s3cret-token-0123456789", "Basic s3cret-token-0123456789"):
+            r = await c.post("/v1/execute", json={"code": "1"}, headers={"authorization": wrong})
+            assert r.status_code == 401, wrong
+        assert not queue.calls
+        ok = await c.post("/v1/execute", json={"code": "print(1)", "stdin": "in"},
                           headers={"authorization": "Bearer s3cret-token-0123456789"})
-        assert ok.status_code == 200 and ok.json()["stdout"] == "1\n"
+        assert ok.status_code == 200 and ok.json()["stdout"] == "in" and queue.calls[0].code == "print(1)"
 
 
 def _gauge(metrics: str, name: str) -> float:

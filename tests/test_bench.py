@@ -20,7 +20,6 @@ import pytest
 import pytest_asyncio
 
 from codeenv import SlotPool
-from codeenv.api import create_app
 from codeenv.bench.limit import measure_limit
 from codeenv.bench.report import RunningThroughput, ratios, summarize, throughput_series
 from codeenv.bench.runner import Record, RoundResult
@@ -30,15 +29,14 @@ from codeenv.bench.workload import SHIPPED, Expected, WorkloadError, load_expect
 from codeenv.sandbox.image import find_spec
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import serving
-from tests.test_api import SharedPoolQueue
+from tests.conftest import pool_app, serving
 
 SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=3)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
-    async with serving(create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))) as url:
+    async with serving(pool_app(pool, SETTINGS)) as url:
         yield url
 
 

@@ -15,7 +15,6 @@ import pytest
 import pytest_asyncio
 
 from codeenv import SlotPool
-from codeenv.api import create_app
 from codeenv.bench.services import free_port
 from codeenv.client import (
     AsyncClient,
@@ -30,9 +29,7 @@ from codeenv.client import (
 from codeenv.integrations.tool import ToolSettings
 from codeenv.models import ErrorInfo, ExecResult, Status
 from codeenv.rl import ToolLedger
-from codeenv.settings import GatewaySettings
-from tests.conftest import serving, start_service, until
-from tests.test_api import SharedPoolQueue
+from tests.conftest import pool_app, serving, start_service, until
 
 
 class Counting(httpx.AsyncBaseTransport):
@@ -53,15 +50,13 @@ class Counting(httpx.AsyncBaseTransport):
 
 
 def gateway(pool: SlotPool, **settings: object) -> Counting:
-    config = GatewaySettings(slots=2, **settings)  # type: ignore[arg-type]
-    return Counting(create_app(config, SharedPoolQueue(pool, config.max_queued)))
+    return Counting(pool_app(pool, **settings))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
     """A real uvicorn server on the session's pool."""
-    config = GatewaySettings(slots=2)
-    async with serving(create_app(config, SharedPoolQueue(pool, config.max_queued))) as url:
+    async with serving(pool_app(pool)) as url:
         yield url
 
 
@@ -155,8 +150,7 @@ def test_a_base_url_without_http_is_refused_at_once(url: str, fix: str) -> None:
 
 @pytest.mark.jail
 async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
-    config = GatewaySettings(slots=2, token="a-long-enough-token-123")
-    app = create_app(config, SharedPoolQueue(pool, config.max_queued))
+    app = pool_app(pool, token="a-long-enough-token-123")
     async with AsyncClient("http://localhost", transport=httpx.ASGITransport(app=app)) as client:
         with pytest.raises(RequestRejected) as info:
             await client.run("print(1)")

@@ -16,10 +16,8 @@ import pytest_asyncio
 from sandbox_fusion import RunCodeRequest, SummaryMapping, run_code, summary_run_code_result
 
 from codeenv import SlotPool
-from codeenv.api import create_app
 from codeenv.settings import GatewaySettings
-from tests.conftest import serving
-from tests.test_api import SharedPoolQueue
+from tests.conftest import GatewayClient, pool_app, serving
 
 pytestmark = pytest.mark.jail
 
@@ -29,7 +27,7 @@ SETTINGS = GatewaySettings(slots=2, code_judge_wall_s=1, code_judge_queue_wait_s
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
     """A real uvicorn server on the session's pool (sync clients call it from threads)."""
-    async with serving(create_app(SETTINGS, SharedPoolQueue(pool, SETTINGS.max_queued))) as url:
+    async with serving(pool_app(pool, SETTINGS)) as url:
         yield url
 
 
@@ -108,10 +106,8 @@ async def test_sandbox_fusion_fetch_refusals(server: str) -> None:
         assert f"could not fetch {path}:" in resp.message
 
 
-async def test_sandbox_fusion_overload_is_504(pool: SlotPool) -> None:
-    settings = GatewaySettings(slots=2, max_queued=1)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+async def test_sandbox_fusion_overload_is_504(gateway: GatewayClient) -> None:
+    async with gateway(max_queued=1) as c:
         replies = await asyncio.gather(*(c.post("/run_code", json={"code": "import time; time.sleep(0.3)",
                                                                   "language": "python"}) for _ in range(6)))
     codes = Counter(r.status_code for r in replies)
@@ -381,14 +377,13 @@ async def test_hostile_programs_on_both_compatibility_apis(server: str) -> None:
             assert kind in sf["message"] or "limit" in sf["message"], sf
 
 
-async def test_a_deep_queue_with_rstar2_agent_retries_runs_each_call_once(pool: SlotPool) -> None:
+async def test_a_deep_queue_with_rstar2_agent_retries_runs_each_call_once(pool: SlotPool,
+                                                                          gateway: GatewayClient) -> None:
     """More queued work than the wait allows: late calls come back queue_timeout (never run), the
     client re-sends just those, and every call ends up run exactly once."""
-    settings = GatewaySettings(slots=2, code_judge_wall_s=2, code_judge_queue_wait_s=1.0)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
     codes = [f"import time\ntime.sleep(0.25)\nprint({i})" for i in range(24)]  # 3 s of work on 2 slots
     before = pool.calls_started
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+    async with gateway(code_judge_wall_s=2, code_judge_queue_wait_s=1.0) as c:
         results = await long_batch(c, codes, max_retries=10)
     assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(24)]
     assert pool.calls_started - before == 24

@@ -15,20 +15,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from codeenv import SlotPool
-from codeenv.api import create_app
 from codeenv.bench.services import free_port
-from codeenv.settings import GatewaySettings
-from tests.conftest import SharedPoolQueue, serving
+from tests.conftest import Served
 from tests.frameworks import load_skyrl_gym, load_verl
 
 EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "verl_config" / "codeenv_tool.yaml"
 
 
 @pytest_asyncio.fixture
-async def service(pool: SlotPool) -> AsyncIterator[str]:
-    settings = GatewaySettings(slots=2)
-    async with serving(create_app(settings, SharedPoolQueue(pool, settings.max_queued))) as url:
+async def service(served: Served) -> AsyncIterator[str]:
+    async with served() as url:
         yield url
 
 

@@ -14,13 +14,11 @@ import pytest_asyncio
 
 from codeenv import SlotPool
 from codeenv.admission import judge_call
-from codeenv.api import create_app
 from codeenv.client import AsyncClient
 from codeenv.compare import same_output, same_value
 from codeenv.models import Compare, JudgeRequest, JudgeResult, JudgeStatus
 from codeenv.rl import code_reward, is_service_fault
-from codeenv.settings import GatewaySettings
-from tests.conftest import SharedPoolQueue, serving
+from tests.conftest import GatewayClient, Served
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)"
 
@@ -30,10 +28,8 @@ def stdin_tests(*pairs: tuple[str, str]) -> list[dict[str, str]]:
 
 
 @pytest_asyncio.fixture
-async def api(pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
-    settings = GatewaySettings(slots=2, judge_max_tests=50, judge_max_bytes=1 << 16)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+async def api(gateway: GatewayClient) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway(judge_max_tests=50, judge_max_bytes=1 << 16) as c:
         yield c
 
 
@@ -425,9 +421,8 @@ async def test_batch_and_stream(api: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.jail
-async def test_the_client_judges_micro_batched(pool: SlotPool) -> None:
-    settings = GatewaySettings(slots=2)
-    async with serving(create_app(settings, SharedPoolQueue(pool, settings.max_queued))) as url, \
+async def test_the_client_judges_micro_batched(served: Served) -> None:
+    async with served() as url, \
             AsyncClient(url, max_in_flight=1) as client:
         good, bad, broken = await asyncio.gather(
             client.judge(ADD, stdin_tests(("1 2", "3"), ("2 2", "4"))),
@@ -441,6 +436,8 @@ async def test_the_client_judges_micro_batched(pool: SlotPool) -> None:
 
 
 @pytest.mark.jail
+@pytest.mark.redis
+@pytest.mark.parametrize("client", ["redis"], indirect=True)  # embedded: the tests above
 async def test_judging_through_redis(client: httpx.AsyncClient) -> None:
     result = await judge(client, code=ADD, tests=stdin_tests(("1 2", "3"), ("1 1", "3")))
     assert statuses(result) == ["passed", "wrong_answer"]

@@ -100,3 +100,31 @@ def test_the_wire_schema_imports_nothing_of_the_server() -> None:
             todo.extend(graph[module])
     assert not {m for m in reachable if m.startswith(("codeenv.settings", "codeenv.sandbox", "codeenv.api",
                                                        "codeenv.queue", "codeenv.worker"))}
+
+
+#: Exception classes that live outside errors.py on purpose: the client's own tree (it runs where the
+#: server does not), the jail's program (standard library only), and the probe's start failure (its
+#: move waits for the jail's own package).
+OWN_TREES = ("codeenv.client", "codeenv.sandbox.zygote", "codeenv.sandbox.probe", "codeenv.api.pytest_driver")
+
+
+def test_every_exception_is_in_the_one_tree() -> None:
+    """codeenv's public exceptions are defined in errors.py (its docstring draws them), wherever they
+    are raised; a module's private one (a signal between two of its functions) stays with it."""
+    trees = {_module_name(p): ast.parse(p.read_text(encoding="utf-8")) for p in ROOT.rglob("*.py")}
+    known = {"BaseException", "Exception", "ValueError", "RuntimeError", "OSError", "TypeError", "KeyError"}
+    found: dict[str, str] = {}
+    while True:  # to a fixed point: a subclass of a subclass is found on a later round
+        before = len(found)
+        for module, tree in trees.items():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and node.name not in found and any(
+                        (b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "")
+                        in known for b in node.bases):
+                    found[node.name] = module
+                    known.add(node.name)
+        if len(found) == before:
+            break
+    outside = sorted(f"{m}.{name}" for name, m in found.items()
+                     if m != "codeenv.errors" and not m.startswith(OWN_TREES) and not name.startswith("_"))
+    assert outside == []

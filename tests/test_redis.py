@@ -79,13 +79,15 @@ class WorkerProcess:
 
 
 async def wait_for_workers(server: Service, prefix: str, count: int, timeout: float = 90) -> None:
+    """Until `count` workers say they are alive (their keys, named by the protocol's Keys)."""
     r = aioredis.Redis(port=server.port, decode_responses=True)
+    pattern = Keys(prefix).alive("*")
     try:
-        for _ in range(int(timeout / 0.1)):
-            if len([k async for k in r.scan_iter(f"{prefix}:alive:*")]) >= count:
-                return
+        deadline = time.monotonic() + timeout
+        while len([k async for k in r.scan_iter(pattern)]) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{count} workers did not come up within {timeout:g}s")
             await asyncio.sleep(0.1)
-        raise AssertionError(f"{count} workers did not come up")
     finally:
         await r.aclose()
 
@@ -341,14 +343,16 @@ async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
 async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
         local_worker: StreamWorker, gateway: RedisQueue, pool: SlotPool) -> None:
     gone = asyncio.Event()
+    before = pool.calls_started
     batch = asyncio.ensure_future(gateway.submit(
         [ExecRequest(code="import time\ntime.sleep(0.02)") for _ in range(1000)], gone))
-    await asyncio.sleep(0.5)
+    await until(lambda: pool.calls_started - before >= 2 * len(pool.slots), "the batch's first calls started")
     at_gone = pool.calls_started
     gone.set()
     with pytest.raises(asyncio.CancelledError):
         await batch
-    await asyncio.sleep(1.5)
+    # Then nothing is left to start: the gateway waits for no call, the worker holds none.
+    await until(lambda: not gateway._waiting and not local_worker._held, "the unstarted calls were cancelled")
     ran_after = pool.calls_started - at_gone
     # What was running, plus at most one claim round.
     assert ran_after <= 2 * len(pool.slots) + 1, ran_after
@@ -364,7 +368,9 @@ async def test_a_full_queue_answers_overloaded_and_recovers(
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             waiting = asyncio.ensure_future(queue.submit([ExecRequest(code=f"print({i})") for i in range(5)]))
-            await asyncio.sleep(0.2)  # no worker yet: five calls fill the queue
+            # No worker yet: five calls fill the queue once they are written.
+            await until(lambda: len(queue._waiting) == 5 and all(c.entry for c in queue._waiting.values()),
+                        "five calls are queued")
             r = await c.post("/v1/execute/batch", json={"requests": [{"code": "print(1)"}] * 3})
             assert r.status_code == 429 and r.headers["retry-after"]
             assert {x["status"] for x in r.json()["results"]} == {"overloaded"}
@@ -392,16 +398,10 @@ async def test_a_stopping_worker_hands_unstarted_calls_back(
     first, second = (StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2))
     await second.start()
     busy = asyncio.ensure_future(gateway.submit([sleepy(i, 1.0) for i in range(2)]))
-    for _ in range(200):
-        if pool.free_slots == 0:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: pool.free_slots == 0, "the first two calls hold both slots", 10)
     await first.start()
     waiting = asyncio.ensure_future(gateway.submit([sleepy(i, 0.1) for i in range(2, 4)]))
-    for _ in range(200):
-        if first._held:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: len(first._held) == 2, "the stopping worker claimed the two waiting calls", 10)
     await first.stop()
     handed = [r for r in caplog.records if getattr(r, "event", None) == "hand_back"]
     assert handed and handed[0].jobs == 2
@@ -551,7 +551,7 @@ async def test_a_worker_killed_with_redis_leaves_only_the_calls_it_started_unkno
         await asyncio.gather(survivor.start(), doomed.start())
         await wait_for_workers(server, prefix, 2)
         await queue.start()
-        await asyncio.sleep(1.0)  # the gateway's snapshot has seen both workers
+        await until(lambda: queue.stats()["workers"] >= 2, "the gateway's snapshot has seen both workers")
         requests = [ExecRequest(code=f"import time\ntime.sleep(0.4)\nprint({i})", id=f"d{i}") for i in range(48)]
         batch = asyncio.ensure_future(queue.submit(requests))
         await until(lambda: len(doomed.started_ids()) >= 2, "the doomed worker started calls")

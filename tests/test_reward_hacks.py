@@ -17,7 +17,6 @@ import pytest_asyncio
 
 from codeenv import SlotPool
 from codeenv.admission import judge_call
-from codeenv.api import create_app
 from codeenv.bench.apis import CODE_COMPARE
 from codeenv.bench.baseline import BaselineQueue
 from codeenv.bench.workload import load_workload
@@ -25,7 +24,7 @@ from codeenv.client import AsyncClient
 from codeenv.models import JudgeRequest, JudgeResult, JudgeTest
 from codeenv.rl import ToolLedger
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import SharedPoolQueue, serving
+from tests.conftest import pool_app, serving
 from tests.parity import PRIVATE, Submission, run_alone
 from tests.reward_hacks import (
     ADD_TESTS,
@@ -45,8 +44,7 @@ SERVICE_FAULTS = {"internal_error", "overloaded", "rejected", "SandboxError"}
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(pool: SlotPool) -> AsyncIterator[str]:
-    settings = GatewaySettings(slots=2, judge_max_tests=64, judge_max_bytes=8 << 20, max_body_bytes=16 << 20)
-    async with serving(create_app(settings, SharedPoolQueue(pool, settings.max_queued))) as url:
+    async with serving(pool_app(pool, judge_max_tests=64, judge_max_bytes=8 << 20, max_body_bytes=16 << 20)) as url:
         yield url
 
 

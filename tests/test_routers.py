@@ -18,10 +18,7 @@ import pytest
 import pytest_asyncio
 from e2b_code_interpreter.models import Execution, ExecutionError, Result
 
-from codeenv import SlotPool
-from codeenv.api import create_app
-from codeenv.settings import GatewaySettings
-from tests.conftest import SharedPoolQueue
+from tests.conftest import GatewayClient
 
 # A reward script shaped like open-r1's code reward: each test case runs the candidate with
 # `subprocess.run(["python3", "-c", code], ...)`; the script's last expression is the pass rate.
@@ -53,10 +50,8 @@ def reward_script(code: str = CANDIDATE) -> str:
 
 
 @pytest_asyncio.fixture
-async def api(pool: SlotPool) -> AsyncIterator[httpx.AsyncClient]:
-    settings = GatewaySettings(slots=2)
-    app = create_app(settings, SharedPoolQueue(pool, settings.max_queued))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+async def api(gateway: GatewayClient) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway() as c:
         yield c
 
 

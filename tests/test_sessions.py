@@ -16,17 +16,16 @@ import httpx
 import pytest
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
-from codeenv.api import create_app
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient, Client
-from codeenv.errors import SandboxError, SessionError
+from codeenv.errors import InvalidRequest, SandboxError, SessionError
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
 from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.uids import uids_in_use
 from codeenv.settings import GatewaySettings
-from tests.conftest import SharedPoolQueue, serving, until
+from tests.conftest import GatewayClient, Served, until
 from tests.test_hardening import SOCKET_FLOOD
 
 pytestmark = pytest.mark.jail
@@ -62,6 +61,12 @@ def traces(m: SessionManager, session: Session) -> dict[str, Any]:
 
 #: A child process that outlives its cell (the image has no shell tools).
 SLEEPER = "[sys.executable, '-c', 'import time; time.sleep(60)']"
+
+
+async def cell_running(session: Session) -> None:
+    """Until a cell of `session` runs: its process is in the family's cell cgroup (where the worker
+    moves it once the cell has started), seen from outside."""
+    await until(lambda: bool(session.family.cell.procs()), "the cell started", 10)
 
 
 async def gone(m: SessionManager, session: Session) -> None:
@@ -198,7 +203,7 @@ async def test_a_fork_asked_for_while_a_cell_runs_waits_for_it(pool: SlotPool) -
     m = manager(pool)
     async with new_session(m, "light") as s:
         running = asyncio.create_task(cell(pool, s, "import time\ntime.sleep(0.5)\nstate = 'after the cell'"))
-        await asyncio.sleep(0.1)
+        await cell_running(s)
         child = await m.fork(s.id)
         assert (await running).status == "ok"
         assert (await cell(pool, child, "state")).value == "'after the cell'"
@@ -229,20 +234,37 @@ async def test_a_retried_cell_id_runs_once(pool: SlotPool) -> None:
         assert (await cell(pool, s, "n")).value == "1"
 
 
+async def test_a_cell_refused_by_admission_leaves_its_cell_id_free(pool: SlotPool) -> None:
+    """A refused cell never ran: a retry with the same cell_id runs (it once waited for the refused
+    one forever)."""
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        too_big = ExecRequest(code="#" * (pool.settings.max_code_bytes + 1), session=s.id, cell_id="c-1")
+        with pytest.raises(InvalidRequest, match="the limit is"):
+            await pool.run(too_big)
+        async with asyncio.timeout(30):
+            retried = await pool.run(ExecRequest(code="1 + 1", session=s.id, cell_id="c-1", display_last=True))
+        assert retried.status == "ok" and retried.value == "2", retried
+
+
 async def test_a_lock_held_by_a_background_thread_does_not_deadlock_later_cells(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")
     try:
+        # The thread spins once this cell is over (its prints then go to the session's /dev/null): this
+        # cell's own output is what it prints before the cell ends, whatever the machine's speed.
         started = await cell(pool, s, """
-import threading, sys, time
+import threading, sys
 lock = threading.Lock()
+over = threading.Event()
 def spin():
+    over.wait()
     while True:
         with lock:
-            print('.' * 1000, end='', flush=True)
+            print('.' * 100, end='', flush=True)
         sys.stdout.write('')
 threading.Thread(target=spin, daemon=True).start()
-time.sleep(0.05)
+over.set()
 """, output_bytes=1 << 24)
         assert started.status == "ok", started
         for i in range(5):
@@ -274,7 +296,7 @@ async def test_deleting_a_session_stops_its_running_cell(pool: SlotPool) -> None
     m = manager(pool)
     s = await m.create("light")
     running = asyncio.create_task(cell(pool, s, "import time\ntime.sleep(30)", wall_s=60))
-    await asyncio.sleep(0.3)
+    await cell_running(s)
     t0 = asyncio.get_running_loop().time()
     await m.delete(s.id)
     result = await running
@@ -529,18 +551,12 @@ async def test_a_cell_the_kernel_will_not_keep_in_its_cgroup_ends_its_family(
 # --- the API and the client ---------------------------------------------------------------------
 
 
-def app_for(pool: SlotPool, **settings: Any) -> Any:
-    gateway_settings = GatewaySettings(slots=2, **settings)
-    return create_app(gateway_settings, SharedPoolQueue(pool, gateway_settings.max_queued))
-
-
 #: A client's session key (the header every request about its sessions carries).
 KEY = {SESSION_KEY_HEADER: "a-key-of-this-test-client"}
 
 
-async def test_the_session_endpoints(pool: SlotPool) -> None:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(pool)), base_url="http://localhost",
-                                 headers=KEY) as c:
+async def test_the_session_endpoints(gateway: GatewayClient) -> None:
+    async with gateway(headers=KEY) as c:
         created = await c.post("/v1/sessions", json={"profile": "light", "limits": {"wall_s": 5}})
         assert created.status_code == 201, created.text
         sid = created.json()["session_id"]
@@ -595,8 +611,8 @@ MALFORMED_IDS = ["1a.1.\u00e9", "1a.1.\u00e9" * 3, "\u0661\u0662.1.AAAAAAAAAAAAA
                  "1a.1.AAAAAAAAAAAAAAAAAAAAAAA=", "1a.1.2.3", "1a..", "a..b", "\x00", "f" * 150 + ".1.x", "1a.1.\udcff"]
 
 
-async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> None:
-    async with serving(app_for(pool)) as url, httpx.AsyncClient(base_url=url, headers=KEY) as c:
+async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool, served: Served) -> None:
+    async with served() as url, httpx.AsyncClient(base_url=url, headers=KEY) as c:
         for sid in MALFORMED_IDS:
             path = "/v1/sessions/" + quote(sid.encode("utf-8", "surrogatepass"), safe="")
             for method, suffix, body in (("GET", "", None), ("DELETE", "", None), ("POST", "/fork", None),
@@ -615,10 +631,8 @@ async def test_a_malformed_session_id_is_a_404_everywhere(pool: SlotPool) -> Non
         assert r.status == "rejected" and (r.message or "").startswith("no session"), (sid, r)
 
 
-async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
-    app = app_for(pool, token="sesame-sesame-sesame")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
-                                 headers=KEY) as c:
+async def test_sessions_need_the_token_when_one_is_set(gateway: GatewayClient) -> None:
+    async with gateway(token="sesame-sesame-sesame", headers=KEY) as c:
         assert (await c.post("/v1/sessions", json={})).status_code == 401
         assert (await c.get("/v1/sessions")).status_code == 401
         token = {"authorization": "Bearer sesame-sesame-sesame"}
@@ -629,13 +643,12 @@ async def test_sessions_need_the_token_when_one_is_set(pool: SlotPool) -> None:
 
 
 @pytest.mark.redis
-async def test_with_redis_the_session_endpoints_say_so(redis_server: Service) -> None:
-    settings = GatewaySettings(slots=2, redis_url=redis_server.url, redis_prefix=uuid.uuid4().hex)
-    queue = RedisQueue(settings)
+async def test_with_redis_the_session_endpoints_say_so(redis_server: Service, gateway: GatewayClient) -> None:
+    settings = {"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex}
+    queue = RedisQueue(GatewaySettings(slots=2, **settings))
     await queue.start()
     try:
-        transport = httpx.ASGITransport(app=create_app(settings, queue))
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        async with gateway(queue=queue, **settings) as client:
             created = await client.post("/v1/sessions", json={})
             assert created.status_code == 501 and "embedded mode" in created.text
             assert (await client.get("/v1/sessions")).status_code == 501
@@ -649,8 +662,8 @@ async def test_with_redis_the_session_endpoints_say_so(redis_server: Service) ->
         await queue.close()
 
 
-async def test_the_client_runs_cells_micro_batched(pool: SlotPool) -> None:
-    async with serving(app_for(pool)) as url, AsyncClient(url) as client:
+async def test_the_client_runs_cells_micro_batched(served: Served) -> None:
+    async with served() as url, AsyncClient(url) as client:
         async with client.session(profile="light") as s:
             await s.run("import random\nrandom.seed(7)\nstate = [random.random()]")
             branches = [await s.fork() for _ in range(3)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import re
 from pathlib import Path
@@ -9,7 +11,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-import codeenv
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings
 from codeenv.admission import resolve_limits
 from codeenv.errors import ImageError
@@ -23,9 +24,16 @@ from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
 pytestmark = pytest.mark.unit
 
 
-def test_public_api() -> None:
-    for name in codeenv.__all__:
-        assert hasattr(codeenv, name), name
+@pytest.mark.parametrize("name", ["codeenv", "codeenv.client", "codeenv.rl"])
+def test_public_api_is_all_and_only_all(name: str) -> None:
+    """Every name of `__all__` exists, and every public name the module defines is in `__all__`."""
+    module = importlib.import_module(name)
+    exported = set(module.__all__)
+    assert len(exported) == len(module.__all__), "a name twice in __all__"
+    assert [n for n in module.__all__ if not hasattr(module, n)] == []
+    public = {n for n, value in vars(module).items()
+              if not n.startswith("_") and not inspect.ismodule(value) and n != "TYPE_CHECKING"}
+    assert sorted(public - exported) == []
 
 
 def test_limits_default_and_lower() -> None:

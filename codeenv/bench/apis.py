@@ -21,7 +21,7 @@ import httpx
 
 from codeenv.bench.workload import Call, Test
 from codeenv.compare import same_output
-from codeenv.errors import BenchError
+from codeenv.errors import TargetError
 from codeenv.models import Compare
 
 APIS = ("codeenv", "codeenv-client", "judge", "code-judge", "sandbox-fusion")
@@ -29,10 +29,6 @@ APIS = ("codeenv", "codeenv-client", "judge", "code-judge", "sandbox-fusion")
 CODE_COMPARE = Compare.lines
 #: Outcomes where the service did not run the call: counted as errors, never as answers.
 SERVICE_ERRORS = ("http_error", "internal_error", "overloaded", "rejected")
-
-
-class TargetError(BenchError):
-    """A target that cannot be benchmarked (down, another API, failing); the message says which."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,8 +80,7 @@ class BaselineQueue:
         if self.design == "naive":
             self._argv, self._env = [python, "-c"], env
             return
-        from codeenv.sandbox.jail import config_text, jail_config
-        from codeenv.sandbox.pool import nsjail_binary
+        from codeenv.sandbox.jail import config_text, jail_config, nsjail_binary
 
         # The slot's jail minus the zygote: same mounts, rlimits, namespaces and seccomp policy;
         # one config per slot, each mapping the sandbox user to a host uid of its own.

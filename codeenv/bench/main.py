@@ -17,14 +17,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from codeenv.bench.apis import SERVICE_ERRORS, TargetError, api
+from codeenv.bench.apis import SERVICE_ERRORS, api
 from codeenv.bench.limit import LimitReport, cores, measure_limit
 from codeenv.bench.report import RunningThroughput, plot, ratios, summarize, warnings
 from codeenv.bench.runner import Part, Record, RoundResult, run_round
 from codeenv.bench.targets import is_local, target
 from codeenv.bench.traffic import Scenario, plan
 from codeenv.bench.workload import Call, Expected, expect_path_for, load_expected, load_workload
-from codeenv.errors import BenchError
+from codeenv.errors import BenchError, BenchFailed, TargetError
 
 
 @dataclass
@@ -44,10 +44,6 @@ class Options:
     write_expect: Path | None = None
     out: Path = Path(".")
     http_timeout_s: float = 300.0
-
-
-class BenchFailed(BenchError):
-    """The bench could not run; the message says why (no traceback is shown)."""
 
 
 def _expected(opts: Options, calls: list[Call]) -> tuple[list[Expected] | None, str | None]:

@@ -24,11 +24,7 @@ from typing import Self
 
 import httpx
 
-from codeenv.bench.apis import TargetError
-
-
-class ServiceError(TargetError):
-    """A service started here exited before it was ready, or was not ready in time."""
+from codeenv.errors import ServiceError
 
 
 def free_port() -> int:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from codeenv.bench.apis import TargetError
 from codeenv.bench.services import Service, free_port, start_codeenv, start_redis
+from codeenv.errors import TargetError
 
 SPAWNABLE = ("codeenv", "codeenv-redis", "naive", "naive-jail")
 

@@ -18,15 +18,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from codeenv.errors import WorkloadError
+
 SHIPPED = Path(__file__).parent / "workloads"
 
 #: How a call ended, the same for every API: what a correctness check compares.
 OUTCOMES = ("ok", "error", "timeout", "memory", "output_limit", "killed", "rejected", "overloaded",
             "internal_error", "http_error")
-
-
-class WorkloadError(ValueError):
-    """A workload or expectation file that cannot be used; the message says what to fix."""
 
 
 @dataclass(frozen=True, slots=True)

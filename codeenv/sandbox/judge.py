@@ -1,0 +1,235 @@
+"""Judging: a submission run against a problem's tests in one call, on the worker.
+
+The submission is prepared once per jail (compiled; for function-call tests its top-level code run
+too), and each test runs in a fresh child of that process. Verdicts equal running each test alone:
+the preparation's CPU time counts against every test's limit and shows in its figures, a test finds
+the state the preparation left and nothing of the tests before it, and with `stop_on_failure` the
+result is a sequential run's (every test after the first failure is skipped).
+
+Expected answers never enter the jail: outputs are compared here.
+
+Usage (on a worker, with the slot's zygote locked)::
+
+    outcome = await judge(zygote, code, spec, limits, total_wall_s, restart)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from codeenv.errors import ZygoteDied
+from codeenv.models import (
+    CompileInfo,
+    JudgeOutcome,
+    JudgeSpec,
+    JudgeTest,
+    LimitName,
+    LimitValues,
+    TestResult,
+    TestStatus,
+)
+from codeenv.sandbox.verdict import verdict
+from codeenv.sandbox.zygote_proc import Submission, TestOutcome, ZygoteProcess
+
+#: Room for an uncaught exception's report, beside a function-call test's returned value.
+REPORT_SLACK = 64 << 10
+
+# --- a whole submission -----------------------------------------------------------------------------
+
+
+def _test_input(test: JudgeTest, spec: JudgeSpec) -> tuple[bytes, bytes]:
+    """(arguments, stdin) of one test: all that enters the jail of it."""
+    if spec.fn_name is None:
+        return b"", (test.stdin or "").encode()
+    return json.dumps(test.args or []).encode(), b""
+
+
+def report_bytes(limits: LimitValues) -> int:
+    """The size of every test's report memfd, which a test can observe: from the limits alone (a
+    returned value's JSON may be as large as the output limit), never from an expected answer."""
+    return limits.output_bytes + REPORT_SLACK
+
+
+Restart = Callable[[str], Awaitable[ZygoteProcess]]
+
+
+async def _alone(zygote: ZygoteProcess, code: bytes, test: JudgeTest, spec: JudgeSpec,
+                 limits: LimitValues) -> TestOutcome:
+    """One test run as a plain call, as if it were the only one (for a test that ended the
+    submission's process: alone, its parent is the jail's init, which no signal reaches)."""
+    args, stdin = _test_input(test, spec)
+    out = await zygote.run(code, args if spec.fn_name is not None else stdin, limits,
+                           call_function=spec.fn_name, report_bytes=report_bytes(limits))
+    exited = out.exited
+    observed = TestOutcome(
+        done=exited, stdout=out.stdout, stderr=out.stderr, output_overflow=out.output_overflow,
+        report=out.report, setup_error=out.setup_error, oom_killed=out.oom_killed,
+        pids_limit_hit=out.pids_limit_hit, wall_exceeded=out.watchdog_fired,
+        lost=None if exited is not None else "; ".join(out.notes) or "the test ended abnormally",
+        cpu_s=exited.cpu_s if exited is not None else 0.0, wall_s=out.wall_s, memory_peak_kb=out.memory_peak_kb,
+    )
+    observed.cpu_exceeded = observed.cpu_s > limits.cpu_s
+    return observed
+
+
+async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
+                restart: Restart) -> tuple[JudgeOutcome, str | None]:
+    """Run every test of `spec` against `code` in `zygote`'s jail, preparing the submission again
+    after a test that ended its process. `restart(reason)` recycles the jail and returns its zygote.
+
+    Returns the outcome and, with the jail's traces wiped and checked, why it must be recycled
+    (None if it is ready for the next call). Raises ZygoteDied(started=False) only if nothing ran.
+    """
+    return await _Judging(zygote, code, spec, limits, total_wall_s, restart).run()
+
+
+class _Judging:
+    """One submission's run against its tests: which test is next, and in which process it runs."""
+
+    def __init__(self, zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues,
+                 total_wall_s: float, restart: Restart) -> None:
+        self.zygote, self.code, self.spec, self.limits, self.restart = zygote, code, spec, limits, restart
+        self.total_wall_s = total_wall_s
+        self.deadline = time.monotonic() + total_wall_s
+        self.tests = spec.tests
+        self.results: list[TestResult | None] = [None] * len(self.tests)
+        # Compared after the last test ran (a comparison's time must not tell the next test anything of
+        # the expected answer), except with stop_on_failure, where a failure decides what runs next.
+        self.observations: dict[int, TestOutcome] = {}
+        self.outcome = JudgeOutcome(total=len(self.tests))
+        self.mode = "stdin" if spec.fn_name is None else "function"
+        self.index = 0
+        self.sub: Submission | None = None
+        self.alone = False  # the test at `index` ended the submission's process: run it again alone
+
+    async def run(self) -> tuple[JudgeOutcome, str | None]:
+        try:
+            while self.index < len(self.tests):
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0:
+                    self.finish_all(TestStatus.timeout, "not run: the submission's total wall-clock limit of "
+                                                        f"{self.total_wall_s:g}s was spent", LimitName.wall)
+                    break
+                if self.sub is not None:  # a restart: the last process ended; the jail must be clean first
+                    await self.sub.close()
+                    self.sub = None
+                    await self.clean_or_restart()
+                if self.alone:
+                    if not await self.run_alone():
+                        break
+                    continue
+                ready = await self.prepare(remaining)
+                if ready is None:
+                    continue
+                if not ready:
+                    break
+                await self.run_tests(self.sub)
+        except BaseException:
+            if self.sub is not None:
+                self.sub.abandon()  # e.g. cancelled: the pool recycles the jail
+            raise
+        problem = None
+        if self.sub is not None:
+            await self.sub.close()
+            problem = await self.problem()
+        for i, observed in self.observations.items():
+            self.results[i] = verdict(observed, self.tests[i], self.spec, self.limits)
+        outcome = self.outcome
+        outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
+                         for r in self.results]
+        outcome.passed = sum(r.status is TestStatus.passed for r in outcome.tests)
+        return outcome, problem
+
+    async def problem(self) -> str | None:
+        """Why the jail must be recycled after a process ended in it (None: clean)."""
+        return "the zygote is gone" if self.zygote.dead else await self.zygote.finish()
+
+    async def clean_or_restart(self) -> None:
+        problem = await self.problem()
+        if problem is not None:
+            self.zygote = await self.restart(problem)
+
+    def settle(self, i: int, observed: TestOutcome) -> bool:
+        """Keep test i's observation; whether the run goes on after it."""
+        if not self.spec.stop_on_failure:
+            self.observations[i] = observed
+            return True
+        self.results[i] = result = verdict(observed, self.tests[i], self.spec, self.limits)
+        if result.status is TestStatus.passed:
+            return True
+        self.finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+        return False
+
+    def finish_all(self, status: TestStatus, message: str, limit: LimitName | None = None) -> None:
+        for i in range(self.index, len(self.tests)):
+            if self.results[i] is None:
+                self.results[i] = TestResult(status=status, limit=limit, message=message)
+
+    async def run_alone(self) -> bool:
+        """The test at `index`, alone; whether the run goes on after it."""
+        self.alone = False
+        try:
+            observed = await _alone(self.zygote, self.code, self.tests[self.index], self.spec, self.limits)
+        except ZygoteDied:
+            self.zygote = await self.restart("its zygote died")
+            return True  # not started: run it again
+        await self.clean_or_restart()
+        self.index += 1
+        return self.settle(self.index - 1, observed)
+
+    async def prepare(self, remaining_s: float) -> bool | None:
+        """Prepare the submission in a new process: True when its tests can run, None to try again
+        (another mode, or a new jail), False when no test will run (every result is set)."""
+        try:
+            self.sub = sub = await self.zygote.prepare(self.code, self.mode, self.spec.fn_name, self.limits,
+                                                       remaining_s)
+        except ZygoteDied:
+            if self.outcome.prepared == 0:
+                raise
+            self.zygote = await self.restart("its zygote died")
+            self.sub = None
+            return None
+        self.outcome.prepared += 1
+        prepared = sub.prepared
+        if prepared is None:  # the preparation itself failed: as it would before every test alone
+            if self.mode == "function":  # e.g. top-level code that kills itself: each test shows it
+                self.mode = "function_inline"
+                return None
+            lost = sub.lost or ""
+            if lost == "cpu":
+                self.finish_all(TestStatus.timeout, "the submission's preparation ran over the CPU limit",
+                                LimitName.cpu)
+            elif lost == "wall":
+                self.finish_all(TestStatus.timeout, "the submission's preparation ran over the wall limit",
+                                LimitName.wall)
+            else:
+                self.finish_all(TestStatus.internal_error, f"the submission could not be prepared: {lost}")
+            return False
+        if "compile_error" in prepared:
+            self.outcome.compile = CompileInfo(status="error", stderr=str(prepared.get("stderr", ""))[:8000])
+            self.finish_all(TestStatus.skipped, "not run: the code does not compile")
+            return False
+        if "unshared" in prepared:
+            self.mode = "function_inline"  # each test runs the top-level code itself
+            return None
+        self.outcome.compile = CompileInfo(status="ok")
+        return True
+
+    async def run_tests(self, sub: Submission | None) -> None:
+        """Tests in the prepared process while it lives (and time remains)."""
+        assert sub is not None
+        while self.index < len(self.tests) and sub.alive:
+            if time.monotonic() > self.deadline:
+                break
+            args, stdin = _test_input(self.tests[self.index], self.spec)
+            observed = await sub.test(self.index, args, stdin, self.limits.output_bytes, report_bytes(self.limits))
+            if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
+                self.alone = True
+                break
+            if observed.done is not None and not observed.done.clean:
+                sub.lost = "the work dir could not be wiped after a test"
+            self.index += 1
+            if not self.settle(self.index - 1, observed):
+                self.index = len(self.tests)
