@@ -326,7 +326,7 @@ def f(kind):
 
 
 @pytest.mark.jail
-async def test_a_returned_value_comes_back_as_json_not_as_text(api: httpx.AsyncClient, pool: SlotPool) -> None:
+async def test_a_returned_value_comes_back_as_json_not_as_text(api: httpx.AsyncClient, served: Served) -> None:
     deep: list[Any] = []
     for _ in range(10):
         deep = [deep]
@@ -342,8 +342,7 @@ async def test_a_returned_value_comes_back_as_json_not_as_text(api: httpx.AsyncC
     assert got == [(status, value, False) for _, _, status, value in cases] + [
         (status, None, True) for _, _, status in left_out], got
     # The client's JudgeResult carries the same values.
-    async with AsyncClient(transport=httpx.ASGITransport(app=create_app(GatewaySettings(slots=2), SharedPoolQueue(
-            pool, 64))), base_url="http://localhost") as client:
+    async with served() as url, AsyncClient(url) as client:
         judged = await client.judge(RETURNS, [{"args": ["dict"], "expected": 0}], fn_name="f")
     assert judged.tests[0].value == mapping
 

@@ -679,10 +679,10 @@ async def test_the_client_runs_cells_micro_batched(served: Served) -> None:
         assert lost.status == "session_lost"
 
 
-async def test_a_fork_opened_in_a_with_block_is_closed_after_it(pool: SlotPool) -> None:
+async def test_a_fork_opened_in_a_with_block_is_closed_after_it(served: Served) -> None:
     """`async with s.fork() as f:` (and `with s.fork() as f:` blocking) ends the fork with its block,
     as `client.session()` does; a fork left open would live until its idle TTL."""
-    async with serving(app_for(pool)) as url, AsyncClient(url) as client:
+    async with served() as url, AsyncClient(url) as client:
         async with client.session(profile="light") as s:
             await s.run("x = 1")
             async with s.fork() as f:
