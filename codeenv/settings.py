@@ -120,6 +120,11 @@ class SandboxSettings(BaseSettings):
     session_memory_mb: int = Field(1024, gt=0, description="memory cap of one family (a session and its forks), "
                                    "its processes and files together")
     session_workdir_mb: int = Field(64, gt=0, description="size of a family's work dir (tmpfs)")
+    session_cpu_share: float = Field(0.5, gt=0, le=1, description="the most of the host's CPUs that running cells "
+                                     "take together, and what they are sure of when calls want the rest "
+                                     "(default: half)")
+    session_memory_share: float = Field(0.5, gt=0, le=1, description="the most of the host's memory that all "
+                                        "session families take together (default: half)")
     session_min_available_mb: int = Field(512, ge=0, description="below this much available memory, the least "
                                           "recently used idle session is evicted before a new one starts")
     zygote_start_timeout_s: float = Field(120, gt=0)

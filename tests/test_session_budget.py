@@ -5,7 +5,9 @@ calls and /v1/judge still run with the budget full."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from codeenv import ExecRequest, SandboxSettings, SlotPool
 from codeenv.api import create_app
 from codeenv.errors import SandboxError
-from codeenv.models import SESSION_KEY_HEADER
+from codeenv.models import SESSION_KEY_HEADER, ExecResult, Limits
 from codeenv.queue.embedded import from_settings
 from codeenv.sandbox.budget import FDS_PER_FAMILY, session_budget
 from codeenv.settings import GatewaySettings
@@ -95,3 +97,37 @@ async def test_a_full_budget_is_429_and_leaves_calls_and_the_judge_running() -> 
         # Ending one of alice's makes room for her again.
         assert (await c.delete(f"/v1/sessions/{made[1].json()['session_id']}", headers=alice)).status_code == 204
         assert (await c.post("/v1/sessions", json={"profile": "light"}, headers=alice)).status_code == 201
+
+
+@pytest.mark.jail
+async def test_running_cells_take_at_most_their_share_of_the_cpus_and_are_sure_of_it(pool: SlotPool) -> None:
+    """Four cells burn CPU for 2 s alone, then beside two calls burning CPU on both slots: alone, the
+    cells together never take more than session_cpu_share (half) of the host's CPUs; beside the
+    busy slots they still get about that share (their group's weight; the default weight gave them
+    a third, one group against two)."""
+    m = pool.sessions
+    assert m is not None
+    cap_cpus = pool.settings.session_cpu_share * len(os.sched_getaffinity(0))
+    sessions = [await m.create("light") for _ in range(4)]
+    families = m._families_group()  # made with the first family; counts every cell's CPU
+    limits = Limits(wall_s=30, cpu_s=30)
+
+    async def burn(seconds: float, calls: int) -> tuple[float, float, list[ExecResult]]:
+        """(the cells' CPU seconds, the wall seconds, the results), cells first."""
+        code = f"import time\nwhile time.time() < {time.time() + seconds}:\n    pass\n"
+        before, t0 = families.cpu_usage_ns() or 0, time.monotonic()
+        results = await asyncio.gather(
+            *(pool.run(ExecRequest(code=code, session=s.id, limits=limits)) for s in sessions),
+            *(pool.run(ExecRequest(code=code, profile="light", limits=limits)) for _ in range(calls)))
+        assert [r.status for r in results] == ["ok"] * len(results), results
+        return ((families.cpu_usage_ns() or 0) - before) / 1e9, time.monotonic() - t0, results
+
+    try:
+        alone_s, window_s, _ = await burn(2.0, calls=0)
+        assert alone_s <= cap_cpus * window_s * 1.1 + 0.2, (alone_s, cap_cpus, window_s)
+        beside_s, _, results = await burn(3.0, calls=2)
+        calls_s = sum(r.cpu_s for r in results[len(sessions):])
+        assert beside_s >= 0.7 * calls_s, (beside_s, calls_s)
+    finally:
+        for s in sessions:
+            await m.delete(s.id)

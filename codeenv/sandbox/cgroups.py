@@ -280,6 +280,7 @@ class JailCgroup(Protocol):
 
     def procs_files(self) -> list[Path]: ...
     def set_cpu_limit(self, cpus: float) -> None: ...
+    def set_cpu_weight(self, times_default: float) -> None: ...
     def kill_all(self) -> bool: ...
     def set_memory_limit(self, limit_bytes: int) -> None: ...
     def set_pids_max(self, count: int) -> None: ...
@@ -415,6 +416,10 @@ class V1Cgroup:
         except OSError as exc:  # v1 refuses a quota above the parent's (a CPU-limited container)
             logger.warning("no CPU cap of %g for %s (%s): the parent cgroup's own cap applies", cpus, self.name, exc)
 
+    def set_cpu_weight(self, times_default: float) -> None:
+        if self.cpu is not None:  # cpu.shares: 1024 by default, 2 to 262144
+            self._files.write(self.cpu, "cpu.shares", str(max(2, min(262_144, round(1024 * times_default)))))
+
     def kill_all(self) -> bool:
         return _kill_procs(self)
 
@@ -511,6 +516,10 @@ class V2Cgroup:
             self._files.write(self.path, "cpu.max", f"{int(cpus * 100_000)} 100000" if cpus > 0 else "max 100000")
         except OSError as exc:
             logger.warning("no CPU cap of %g for %s (%s)", cpus, self.name, exc)
+
+    def set_cpu_weight(self, times_default: float) -> None:
+        if (self.path / "cpu.weight").exists():  # 100 by default, 1 to 10000
+            self._files.write(self.path, "cpu.weight", str(max(1, min(10_000, round(100 * times_default)))))
 
     def kill_all(self) -> bool:
         # cgroup.kill (5.14+) kills every process at once, forks in flight included.

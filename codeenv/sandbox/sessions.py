@@ -441,12 +441,21 @@ class SessionManager:
 
     def _families_group(self) -> JailCgroup:
         """The common parent group of every family of this worker (made with the first family): its
-        socket buffer cap bounds all families' together."""
+        caps bound all families together. Running cells take at most `session_cpu_share` of the
+        host's CPUs, and are sure of that share while calls want the rest (its weight against the
+        slots' groups); families hold at most `session_memory_share` of the host's memory, and half
+        its pids; its socket buffer cap bounds their sockets."""
         if self._families is None:
+            s = self.settings
             self._families = self.tree.group(FAMILIES_GROUP)
             self._families.delegate()
-            # All families' processes together: at most half the host's pids, whatever their cells do.
             self._families.set_pids_max(int(PID_MAX.read_text()) // 2)
+            self._families.set_cpu_limit(s.session_cpu_share * len(os.sched_getaffinity(0)))
+            # Each busy slot's group weighs the default: cells weigh share / (1 - share) of all slots.
+            self._families.set_cpu_weight(s.slots * s.session_cpu_share / max(1 - s.session_cpu_share, 1e-3))
+            total = meminfo_bytes("MemTotal")
+            if total is not None:
+                self._families.set_memory_limit(int(total * s.session_memory_share))
             if not self._families.set_socket_memory_limit(families_socket_memory_limit(self.settings)):
                 logger.debug("this kernel cannot cap session families' socket buffers on cgroup v1")
             self._families.close_files()
