@@ -417,8 +417,12 @@ class V1Cgroup:
             logger.warning("no CPU cap of %g for %s (%s): the parent cgroup's own cap applies", cpus, self.name, exc)
 
     def set_cpu_weight(self, times_default: float) -> None:
-        if self.cpu is not None:  # cpu.shares: 1024 by default, 2 to 262144
+        if self.cpu is None:
+            return
+        try:  # cpu.shares: 1024 by default, 2 to 262144
             self._files.write(self.cpu, "cpu.shares", str(max(2, min(262_144, round(1024 * times_default)))))
+        except OSError as exc:
+            logger.warning("no CPU weight for %s (%s): the default applies", self.name, exc)
 
     def kill_all(self) -> bool:
         return _kill_procs(self)
@@ -518,8 +522,12 @@ class V2Cgroup:
             logger.warning("no CPU cap of %g for %s (%s)", cpus, self.name, exc)
 
     def set_cpu_weight(self, times_default: float) -> None:
-        if (self.path / "cpu.weight").exists():  # 100 by default, 1 to 10000
+        if not (self.path / "cpu.weight").exists():
+            return
+        try:  # 100 by default, 1 to 10000
             self._files.write(self.path, "cpu.weight", str(max(1, min(10_000, round(100 * times_default)))))
+        except OSError as exc:
+            logger.warning("no CPU weight for %s (%s): the default applies", self.name, exc)
 
     def kill_all(self) -> bool:
         # cgroup.kill (5.14+) kills every process at once, forks in flight included.
