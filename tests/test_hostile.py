@@ -89,6 +89,16 @@ async def test_unread_stdin_while_printing(run: Runner, restarts: RestartCounter
     assert restarts.delta == 0
 
 
+async def test_control_bytes_do_not_multiply_the_answer(run: Runner, restarts: RestartCounter) -> None:
+    """100 KB of \\x01 under a 128 KiB cap fits as bytes but is 600 KB as JSON: cut to the cap."""
+    r = await run("import sys\nsys.stdout.write('\\x01' * 100_000)\nprint('end', file=sys.stderr)",
+                  slot=0, output_bytes=128 << 10)
+    assert r.status == "ok" and r.stdout_truncated and not r.stderr_truncated and r.stderr == "end\n"
+    assert len(r.model_dump_json(include={"stdout"}).encode()) <= (128 << 10) + 20
+    assert r.stdout == "\x01" * len(r.stdout) and len(r.stdout) > 20_000
+    assert restarts.delta == 0
+
+
 @pytest.mark.parametrize("code", [
     "x = bytearray(2 * 1024**3)",
     "b = []\nwhile True:\n    b.append(bytearray(10 * 1024**2))",

@@ -177,6 +177,29 @@ def test_verdicts() -> None:
     assert r.status == "error" and r.error is not None and r.error.line is None
 
 
+def test_output_is_capped_in_the_bytes_of_its_json() -> None:
+    """Control bytes are six times larger as JSON, invalid UTF-8 three: the cap holds for the answer."""
+    import json
+    import random
+
+    from codeenv.sandbox.verdict import json_size, json_text
+
+    rnd = random.Random(7)
+    alphabet = b'ab\n"\\\x01\x7f\xe2\x82\xac\xff'
+    for _ in range(2000):
+        raw = bytes(rnd.choice(alphabet) if rnd.random() < 0.7 else rnd.randrange(256)
+                    for _ in range(rnd.randrange(80)))
+        text = raw.decode("utf-8", "replace")
+        encoded = len(json.dumps(text, ensure_ascii=False).encode()) - 2
+        assert json_size(text, raw) == encoded, raw
+        cap = rnd.randrange(1, 300)
+        out, cut = json_text(raw, cap)
+        assert len(json.dumps(out, ensure_ascii=False).encode()) - 2 <= cap and cut == (encoded > cap), raw
+        assert raw.decode("utf-8", "replace").startswith(out.rstrip("\ufffd"))
+    out, cut = json_text(b"\x01" * 600, 1200)
+    assert cut and 190 <= len(out) <= 200  # six bytes each
+
+
 def test_an_embedded_queue_takes_session_cells_before_its_pool_has_started() -> None:
     """The native routes ask when they are made, before the pool has started and made its sessions."""
     from codeenv.api.service import sessions_of, sessions_supported

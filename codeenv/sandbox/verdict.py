@@ -62,15 +62,47 @@ def error_info(report: dict[str, Any] | None) -> ErrorInfo | None:
     )
 
 
+#: Bytes that JSON writes escaped: \uXXXX for the control characters, two bytes for these seven.
+_ESCAPED = bytes(range(0x20)) + b'"\\'
+_SHORT_ESCAPES = (b"\n", b"\t", b"\r", b"\b", b"\f", b'"', b"\\")
+_NOT_ESCAPED = bytes(b for b in range(256) if b not in _ESCAPED)
+
+
+def json_size(text: str, raw: bytes) -> int:
+    """How many bytes `text` (`raw` decoded as UTF-8 with replacement) takes as a JSON string
+    (quotes left out; non-ASCII written raw, as the service's answers write it)."""
+    escaped = raw.translate(None, _NOT_ESCAPED)  # ASCII: decoded as itself, whatever surrounds it
+    short = sum(escaped.count(c) for c in _SHORT_ESCAPES)
+    utf8 = len(text) if text.isascii() else len(text.encode())  # invalid bytes became U+FFFD
+    return utf8 + short + 5 * (len(escaped) - short)
+
+
+def json_text(raw: bytes, cap: int) -> tuple[str, bool]:
+    """`raw` output as the text a result carries, cut so that its JSON takes at most `cap` bytes
+    (output of control bytes is six times larger as JSON: the cap holds for what is sent), and
+    whether it was cut."""
+    text = raw.decode("utf-8", "replace")
+    size = json_size(text, raw)
+    if size <= cap:
+        return text, False
+    while size > cap:  # cut in proportion, then a little more, until it fits
+        raw = raw[:max(0, min(len(raw) - 1, len(raw) * cap // size - 4))]
+        text = raw.decode("utf-8", "replace")
+        size = json_size(text, raw)
+    return text, True
+
+
 def classify(out: Outcome, limits: LimitValues) -> ExecResult:
     """Build the result of one call from its Outcome (no id, timings or identity yet)."""
+    stdout, stdout_cut = json_text(out.stdout, limits.output_bytes)
+    stderr, stderr_cut = json_text(out.stderr, limits.output_bytes)
     result = ExecResult(
         status=Status.internal_error,
         started=out.started,
-        stdout=out.stdout.decode("utf-8", "replace"),
-        stderr=out.stderr.decode("utf-8", "replace"),
-        stdout_truncated=out.stdout_truncated,
-        stderr_truncated=out.stderr_truncated,
+        stdout=stdout,
+        stderr=stderr,
+        stdout_truncated=out.stdout_truncated or stdout_cut,
+        stderr_truncated=out.stderr_truncated or stderr_cut,
         memory_peak_kb=out.memory_peak_kb,
         wall_s=round(out.wall_s, 6),
     )
@@ -141,7 +173,8 @@ def classify(out: Outcome, limits: LimitValues) -> ExecResult:
 
 
 def _text(data: bytes, limit: int = RETURNED_BYTES) -> str:
-    return data[:limit].decode("utf-8", "replace")
+    """A test's stream as its result shows it: at most `limit` bytes of JSON."""
+    return json_text(data[:limit], limit)[0]
 
 
 def _depth(value: Any) -> int:
