@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from codeenv.api import compat, contract, judging, native, routers, sessions
+from codeenv.api.body import BodyParser
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway, sessions_supported
@@ -76,6 +77,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     """The gateway over `queue`, which it starts and closes with the app's lifespan (and `worker`, a
     Redis worker sharing this process, started before the queue and stopped after it)."""
     metrics = Metrics(queue)
+    parser = BodyParser()  # the Guard's; its helper processes end with the app
     gateway = Gateway(settings, queue, metrics)
     sessions.redact_access_log()
 
@@ -106,6 +108,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             await queue.close()
             if worker is not None:
                 await stopping.worker_stopped()
+            parser.close()
             metrics.process_exit()
 
     # /docs (Swagger UI) and /redoc load their scripts and styles from DOCS_ASSETS, served here from
@@ -115,7 +118,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                          description="Run untrusted Python in jails, with hard limits and structured results.")
     app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
                        | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS,
-                       json_route=sessions.is_json_route)
+                       json_route=sessions.is_json_route, parser=parser)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:

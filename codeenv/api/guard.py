@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from codeenv.api.body import Body, BodyParser
 from codeenv.errors import ApiError
 from codeenv.settings import GatewaySettings
 
@@ -45,9 +45,11 @@ class Guard:
     """
 
     def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str],
-                 json_route: Callable[[str, str], bool] | None = None) -> None:
-        """`json_route(method, path)`: also a route that takes JSON (paths with ids in them)."""
+                 json_route: Callable[[str, str], bool] | None = None, parser: BodyParser | None = None) -> None:
+        """`json_route(method, path)`: also a route that takes JSON (paths with ids in them);
+        `parser`: what parses the bodies (its owner closes it)."""
         self.app = app
+        self.parser = parser or BodyParser()
         self.settings = settings
         self.json_paths = frozenset(json_paths)
         self.json_route = json_route
@@ -84,12 +86,11 @@ class Guard:
                 body = await self._read_body(headers, receive)
                 if body is None:
                     return  # the client went away while sending
-                try:
-                    scope[JSON_BODY] = json.loads(body) if body.strip() or not routed else {}
-                except RecursionError:  # the C decoder refuses nesting past the recursion limit
-                    raise ApiError(400, "the JSON body is nested too deeply") from None
-                except ValueError as exc:
-                    raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+                if routed and body.is_blank():
+                    body.close()
+                    scope[JSON_BODY] = {}
+                else:
+                    scope[JSON_BODY] = await self.parser.parse(body)  # the parsed value is all that is kept
                 replayed = False
 
                 async def replay() -> dict[str, Any]:
@@ -120,7 +121,7 @@ class Guard:
                 raise ApiError(403, f"requests from web pages of other origins are refused (Origin: {given}); "
                                     "to allow one, add it to CODEENV_ALLOWED_ORIGINS")
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive: Any) -> bytes | None:
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Any) -> Body | None:
         max_bytes = self.settings.max_body_bytes
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > max_bytes:
@@ -134,20 +135,23 @@ class Guard:
                                 "(body_timeout_s); send it whole, promptly", {"Connection": "close"}) from None
 
     @staticmethod
-    async def _receive_body(receive: Any, max_bytes: int) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > max_bytes:
-                raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+    async def _receive_body(receive: Any, max_bytes: int) -> Body | None:
+        body = Body()
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    body.close()
+                    return None
+                chunk = message.get("body", b"")
+                if body.size + len(chunk) > max_bytes:
+                    raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+                body.add(chunk)
+                if not message.get("more_body", False):
+                    return body
+        except BaseException:
+            body.close()
+            raise
 
 
 def _hostname(host: str) -> str:
