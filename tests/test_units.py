@@ -176,12 +176,13 @@ def test_verdicts() -> None:
     assert r.status == "error" and r.error is not None and r.error.line is None
 
 
-def test_an_embedded_queue_takes_session_cells_before_its_pool_has_started() -> None:
-    """The native routes ask when they are made, before the pool has started and made its sessions."""
-    from codeenv.api.service import sessions_of, sessions_supported
+def test_which_queues_run_sessions() -> None:
+    """An embedded queue runs its pool's sessions (asked when the routes are made, before the pool has
+    started); the others route none yet, and the API answers 501."""
     from codeenv.queue.embedded import EmbeddedQueue
+    from codeenv.queue.host_socket import HostSocketQueue
+    from codeenv.queue.redis import RedisQueue
     from codeenv.sandbox.pool import SlotPool
 
-    queue = EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8)
-    assert sessions_supported(queue) and sessions_of(queue) is None
-    assert not sessions_supported(object())
+    assert EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8).sessions is not None
+    assert HostSocketQueue.sessions is None and RedisQueue.sessions is None
