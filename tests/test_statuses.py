@@ -103,3 +103,17 @@ async def test_a_queue_without_sessions_answers_501(gateway: GatewayClient) -> N
         one = await client.post("/v1/execute", json={"code": "1", "session": "x"})
         assert one.status_code == 422 and "embedded mode" in one.text
         assert not [p for p in (await client.get("/openapi.json")).json()["paths"] if "sessions" in p]
+
+
+async def test_a_queue_from_before_sessions_runs_none(gateway: GatewayClient) -> None:
+    """A CallQueue written before `sessions` joined the interface still serves calls (and no session)."""
+
+    class Older(FakeQueue):
+        def __getattribute__(self, name: str) -> object:
+            if name == "sessions":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    async with gateway(queue=Older()) as client:
+        assert (await client.post("/v1/execute", json={"code": "1", "stdin": "x"})).json()["stdout"] == "x"
+        assert (await client.get("/v1/sessions")).status_code == 501

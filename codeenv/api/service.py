@@ -138,7 +138,8 @@ class Gateway:
         self.settings = settings
         self.queue = queue
         self.metrics = metrics
-        self.sessions: SessionService | None = queue.sessions
+        # A queue written before CallQueue had `sessions` (e.g. a test's own fake) runs none.
+        self.sessions: SessionService | None = getattr(queue, "sessions", None)
 
     def admit(self, calls: list[ExecRequest]) -> list[ExecResult | None] | None:
         """Each call checked against this gateway's settings (the one admission on this side): None
