@@ -183,11 +183,12 @@ class Gateway:
         if refused is not None:
             results = merge(refused, results)
         self.metrics.observe(results)
-        statuses: dict[str, int] = {}
-        for r in results:
-            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
-        logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
-                                    "ms": round(1000 * (time.monotonic() - started), 2)})
+        if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
+            statuses: dict[str, int] = {}
+            for r in results:
+                statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+            logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
+                                        "ms": round(1000 * (time.monotonic() - started), 2)})
         return results
 
     def stream(self, request: Request, valid: list[ExecRequest], refused: list[ExecResult | None],
