@@ -4,9 +4,15 @@ The wire schema (`codeenv.models`) says what a request may hold; admission says 
 runs it: limits within the caps, sizes within the settings, file paths inside the work dir, input
 files that decode. Every refusal is an InvalidRequest whose message says what to fix.
 
+`admit` is the one entry point, for a call, a judged call and a session's cell alike. It runs at the
+two trust boundaries: the gateway (`check`: the same rules, once per call, before the queue) and the
+worker that runs the call (the pool; a Redis worker's caps are authoritative for what Redis brings).
+A queue between them is a transport and checks nothing.
+
 Usage::
 
     admitted = admit(request, settings)   # raises InvalidRequest
+    check(request, settings)              # the gateway's: raises InvalidRequest, builds nothing
 """
 
 from __future__ import annotations
@@ -50,15 +56,18 @@ def resolve_limits(limits: Limits, defaults: LimitValues, caps: LimitValues) -> 
 
 
 def admit(request: ExecRequest, settings: SandboxSettings) -> Admitted:
-    """The code, stdin and limits to run with; raise InvalidRequest saying what to fix."""
+    """The code, stdin and limits to run with (a judged call's: its per-test limits); raise
+    InvalidRequest saying what to fix."""
+    if request.judge is not None:
+        limits, _ = judge_limits(request, settings)
+        return Admitted(request.code.encode("utf-8"), b"", limits)
     limits = resolve_limits(request.limits, settings.defaults, settings.caps)
     try:
         code = request.code.encode("utf-8")
         stdin = request.stdin.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequest(f"code and stdin must be valid Unicode text (no lone surrogates): {exc}") from exc
-    if len(code) > settings.max_code_bytes:
-        raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+    check_code_size(code, settings)
     if len(stdin) > settings.max_stdin_bytes:
         raise InvalidRequest(f"stdin is {len(stdin)} bytes; the limit is {settings.max_stdin_bytes}")
     files = len(request.files) + len(request.fetch_files)
@@ -67,6 +76,18 @@ def admit(request: ExecRequest, settings: SandboxSettings) -> Admitted:
     for path in [*request.files, *request.fetch_files]:
         check_path(path)
     return Admitted(code, stdin, limits)
+
+
+def check(request: ExecRequest, settings: SandboxSettings) -> None:
+    """`admit`'s rules without building what a worker runs with: the gateway's admission, once per
+    call. A call that provably passes (no limits asked, text too short to be over a size, no files)
+    costs a few comparisons; any other goes through `admit` itself, so the rules are written once.
+    (`Text` fields hold no lone surrogate, so a short one encodes within 4 bytes a character.)"""
+    if (request.judge is None and not request.limits.__pydantic_fields_set__ and not request.files
+            and not request.fetch_files and 4 * len(request.code) <= settings.max_code_bytes
+            and 4 * len(request.stdin) <= settings.max_stdin_bytes):
+        return
+    admit(request, settings)
 
 
 def decoded_files(request: ExecRequest, settings: SandboxSettings) -> list[tuple[str, bytes]]:
@@ -89,6 +110,12 @@ def decoded_files(request: ExecRequest, settings: SandboxSettings) -> list[tuple
     return decoded
 
 
+def check_code_size(code: bytes, settings: SandboxSettings) -> None:
+    """InvalidRequest for a program over `max_code_bytes` (however it travels: code, or a file to run)."""
+    if len(code) > settings.max_code_bytes:
+        raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+
+
 def check_path(path: str) -> None:
     """A path inside the work dir: relative, no '.' or '..' parts, no NUL, not empty."""
     if not path or len(path) > 1024 or "\0" in path or path.startswith("/"):
@@ -105,13 +132,18 @@ def check_path(path: str) -> None:
 
 
 def judge_call(request: JudgeRequest, settings: SandboxSettings) -> ExecRequest:
-    """The call that judges `request`; raise InvalidRequest saying what to fix."""
-    try:
-        call = request.to_call()
-    except ValidationError as exc:
-        raise InvalidRequest("; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
+    """The call that judges `request`, admitted; raise InvalidRequest saying what to fix."""
+    call = to_judge_call(request)
     judge_limits(call, settings)
     return call
+
+
+def to_judge_call(request: JudgeRequest) -> ExecRequest:
+    """The call that judges `request` (not admitted yet); InvalidRequest if it cannot be one."""
+    try:
+        return request.to_call()
+    except ValidationError as exc:
+        raise InvalidRequest("; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
 
 
 def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[LimitValues, float]:
@@ -136,9 +168,7 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
             raise InvalidRequest(f"the tests hold more than {settings.judge_max_bytes} bytes")
     if request.files or request.fetch_files or request.stdin:
         raise InvalidRequest("a judged call has no stdin, files or fetch_files of its own: tests carry the input")
-    code = request.code.encode("utf-8")
-    if len(code) > settings.max_code_bytes:
-        raise InvalidRequest(f"code is {len(code)} bytes; the limit is {settings.max_code_bytes}")
+    check_code_size(request.code.encode("utf-8"), settings)
     asked = request.limits
     cpu = asked.cpu_s if asked.cpu_s is not None else settings.defaults.cpu_s
     # A test's output is compared in full: unless asked, up to the server's cap. Never sized from the

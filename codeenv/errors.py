@@ -11,7 +11,7 @@ Hierarchy::
     ├── ImageError               a sandbox image is missing, malformed or failed to build
     ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
     │   └── ZygoteDied           a zygote (or its nsjail) is gone; says whether its call had started
-    ├── SessionError             a session request cannot be served: unknown (404), ended (410), ...
+    ├── SessionError             a session request cannot be served; its `kind` says why
     ├── PoolClosed               the slot pool is not running (not started, or shutting down)
     ├── PoolFailed               the pool process of `serve --processes N` kept dying: serve gives up
     ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
@@ -22,7 +22,10 @@ Hierarchy::
             └── ServiceError     a service the bench (or a test) started was not ready in time
 
 The client (`codeenv.client.errors`) has a tree of its own: it runs where the server does not.
+HTTP statuses are chosen at the gateway's boundary (`codeenv.api.statuses`), never here.
 """
+
+from enum import Enum
 
 
 class CodeenvError(Exception):
@@ -108,29 +111,33 @@ class ServiceError(TargetError):
     """A service started here exited before it was ready, or was not ready in time."""
 
 
+class SessionErrorKind(str, Enum):
+    """Why a session request cannot be served (each API says it in its own terms: api/statuses.py)."""
+
+    not_found = "not_found"  # no such session of the caller's: it never existed, or it is another's
+    ended = "ended"  # expired, evicted, deleted, lost, or its worker restarted
+    full = "full"  # the worker (or the caller) holds as many sessions as it may: retry later
+    unsupported = "unsupported"  # this worker (or this gateway's queue) runs no sessions
+    conflict = "conflict"  # the request conflicts with the session's state (e.g. its family is full)
+
+
 class SessionError(CodeenvError):
-    """A session request that cannot be served; `status` is the HTTP status that says why."""
+    """A session request that cannot be served; `kind` says why."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, kind: SessionErrorKind) -> None:
         super().__init__(message)
-        self.status = status
-
-
-#: How the messages of two refused calls begin and end: the gateway answers them 404 and 409
-#: (api.service.conflict_status), not 422.
-NO_SESSION = "no session "
-ID_TAKEN = "already names a different call; use a new id"
+        self.kind = kind
 
 
 def session_not_found(session_id: str) -> SessionError:
-    return SessionError(f"{NO_SESSION}{session_id[:80]!r}: it never existed here (create one with POST /v1/sessions)",
-                        404)
+    return SessionError(f"no session {session_id[:80]!r}: it never existed here (create one with POST /v1/sessions)",
+                        SessionErrorKind.not_found)
 
 
 def id_taken(call_id: str | None) -> str:
     """The message of a call whose client id already names a different call."""
-    return f"id {call_id!r} {ID_TAKEN}"
+    return f"id {call_id!r} already names a different call; use a new id"
 
 
 def session_lost(session_id: str, why: str) -> SessionError:
-    return SessionError(f"session {session_id[:80]!r} has ended: {why}", 410)
+    return SessionError(f"session {session_id[:80]!r} has ended: {why}", SessionErrorKind.ended)

@@ -51,6 +51,14 @@ class Status(StrEnum):
     session_lost = "session_lost"  # the session ended (expired, evicted, its worker restarted, or lost mid-cell)
 
 
+class Refusal(StrEnum):
+    """Why a call was refused (a `rejected` result), as data: each API answers it in its own terms."""
+
+    invalid = "invalid"  # the request cannot be run as sent (its message says what to fix)
+    no_session = "no_session"  # it names a session that never existed here (or is another caller's)
+    id_taken = "id_taken"  # its client id already names a different call
+
+
 #: Verdicts that are the program's doing (a tool error, from the model's point of view).
 PROGRAM_FAILURES = frozenset({Status.error, Status.timeout, Status.memory, Status.output_limit, Status.killed})
 #: Verdicts that are the service's doing: not held against the model.
@@ -274,6 +282,9 @@ class ExecResult(BaseModel):
 
     id: str | None = None
     status: Status
+    refusal: Refusal | None = Field(None, description="why a `rejected` call was refused: invalid (the request "
+                                                      "cannot be run as sent), no_session (it names no session of "
+                                                      "yours), id_taken (its id names a different call)")
     limit: LimitName | None = None
     exit_code: int | None = None
     signal: int | None = None

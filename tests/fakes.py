@@ -2,8 +2,8 @@
 without a jail, as httpx's MockTransport tests a client without a network.
 
 `FakeQueue` answers each call at once with `answer(request)` (by default: `ok`, with the call's
-stdin echoed as its stdout) and keeps what it was sent in `calls`. It admits each call as a worker
-would, so a call the server refuses is answered `rejected` with the worker's message.
+stdin echoed as its stdout) and keeps what it was sent in `calls`. Like every queue it checks
+nothing: the gateway admits each call before it reaches the queue. It runs no sessions.
 
 Usage::
 
@@ -18,11 +18,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from codeenv.admission import admit, judge_limits
-from codeenv.errors import InvalidRequest
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult
-from codeenv.settings import GatewaySettings
+from codeenv.queue.base import NO_STATS, OnResult, SessionService
 
 
 def echo(request: ExecRequest) -> ExecResult:
@@ -31,12 +28,12 @@ def echo(request: ExecRequest) -> ExecResult:
 
 
 class FakeQueue:
-    """A CallQueue that runs nothing: each call is admitted, recorded, and answered by `answer`."""
+    """A CallQueue that runs nothing: each call is recorded and answered by `answer`."""
 
-    def __init__(self, answer: Callable[[ExecRequest], ExecResult] = echo,
-                 settings: GatewaySettings | None = None) -> None:
+    sessions: SessionService | None = None
+
+    def __init__(self, answer: Callable[[ExecRequest], ExecResult] = echo) -> None:
         self.answer = answer
-        self.settings = settings or GatewaySettings()
         self.calls: list[ExecRequest] = []
         self.results: dict[str, ExecResult] = {}
         self.draining = False
@@ -58,13 +55,6 @@ class FakeQueue:
     def _one(self, request: ExecRequest) -> ExecResult:
         if self.draining:
             return ExecResult(id=request.id, status=Status.overloaded, started=False, message="stopping")
-        try:
-            if request.judge is not None:
-                judge_limits(request, self.settings)
-            else:
-                admit(request, self.settings)
-        except InvalidRequest as exc:
-            return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
         self.calls.append(request)
         result = self.answer(request)
         if request.id is not None:

@@ -128,3 +128,13 @@ def test_every_exception_is_in_the_one_tree() -> None:
     outside = sorted(f"{m}.{name}" for name, m in found.items()
                      if m != "codeenv.errors" and not m.startswith(OWN_TREES) and not name.startswith("_"))
     assert outside == []
+
+
+def test_the_http_layer_speaks_only_to_the_queue() -> None:
+    """codeenv/api/ imports nothing of the engine (codeenv/sandbox/): sessions, profiles and refusals
+    reach it through the queue's interface (queue/base.py) and the wire schema."""
+    graph = import_graph()
+    reached = {module: sorted(d for d in deps if d.startswith("codeenv.sandbox"))
+               for module, deps in graph.items() if module.startswith("codeenv.api")}
+    assert "codeenv.api.app" in reached
+    assert {m: d for m, d in reached.items() if d} == {}

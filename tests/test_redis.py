@@ -106,7 +106,8 @@ async def local_worker(redis_server: Service, pool: SlotPool, prefix: str) -> As
 
 
 @pytest_asyncio.fixture
-async def gateway(redis_server: Service, prefix: str) -> AsyncIterator[RedisQueue]:
+async def redis_queue(redis_server: Service, prefix: str) -> AsyncIterator[RedisQueue]:
+    """A gateway's queue on the private Redis (the name `gateway` is the ASGI client's, see conftest)."""
     queue = RedisQueue(settings_for(redis_server, prefix))
     await queue.start()
     yield queue
@@ -118,12 +119,12 @@ def sleepy(i: int, seconds: float = 0.3) -> ExecRequest:
 
 
 async def test_a_sigkilled_worker_loses_no_call_and_runs_none_twice(
-        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, redis_queue: RedisQueue, prefix: str, tmp_path: Path) -> None:
     workers = [WorkerProcess(redis_server, prefix, tmp_path / f"w{i}.log") for i in range(2)]
     await asyncio.gather(*(w.start() for w in workers))
     try:
         await wait_for_workers(redis_server, prefix, 2)
-        batch = asyncio.ensure_future(gateway.submit([sleepy(i) for i in range(40)]))
+        batch = asyncio.ensure_future(redis_queue.submit([sleepy(i) for i in range(40)]))
         deadline = time.monotonic() + 60
         while not (workers[0].started_ids() and workers[1].started_ids()):  # both workers are busy
             assert time.monotonic() < deadline, "the workers never took calls"
@@ -227,7 +228,7 @@ async def test_a_call_claimed_past_its_deadline_is_answered_not_run(
 
 
 async def test_a_long_call_is_not_stolen_from_a_live_worker(
-        redis_server: Service, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        redis_server: Service, pool: SlotPool, redis_queue: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="codeenv.worker")
     workers = [StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2)]
@@ -235,7 +236,7 @@ async def test_a_long_call_is_not_stolen_from_a_live_worker(
         await w.start()
     try:
         # 4 s: four times the time after which a silent worker counts as dead.
-        [result] = await asyncio.wait_for(gateway.submit([sleepy(0, 4.0)]), 30)
+        [result] = await asyncio.wait_for(redis_queue.submit([sleepy(0, 4.0)]), 30)
     finally:
         for w in workers:
             await w.stop()
@@ -269,7 +270,7 @@ async def test_two_workers_and_a_gateway_on_one_host_share_the_load(redis_server
 
 
 async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
-        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, redis_queue: RedisQueue, prefix: str, tmp_path: Path) -> None:
     worker = WorkerProcess(redis_server, prefix, tmp_path / "w.log")
     await worker.start()
     first = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--log-level", "warning",
@@ -285,7 +286,7 @@ async def test_a_killed_gateways_calls_resubmitted_elsewhere_run_once(
             first.kill()  # mid-batch
             with pytest.raises(httpx.TransportError):
                 await sent
-        results = await asyncio.wait_for(gateway.submit(requests), 60)  # a new gateway, the same ids
+        results = await asyncio.wait_for(redis_queue.submit(requests), 60)  # a new gateway, the same ids
     finally:
         first.kill()
         await worker.stop()
@@ -341,10 +342,10 @@ async def test_redis_restarted_under_load(pool: SlotPool, prefix: str) -> None:
 
 
 async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
-        local_worker: StreamWorker, gateway: RedisQueue, pool: SlotPool) -> None:
+        local_worker: StreamWorker, redis_queue: RedisQueue, pool: SlotPool) -> None:
     gone = asyncio.Event()
     before = pool.calls_started
-    batch = asyncio.ensure_future(gateway.submit(
+    batch = asyncio.ensure_future(redis_queue.submit(
         [ExecRequest(code="import time\ntime.sleep(0.02)") for _ in range(1000)], gone))
     await until(lambda: pool.calls_started - before >= 2 * len(pool.slots), "the batch's first calls started")
     at_gone = pool.calls_started
@@ -352,7 +353,7 @@ async def test_a_client_gone_mid_batch_cancels_its_unstarted_calls(
     with pytest.raises(asyncio.CancelledError):
         await batch
     # Then nothing is left to start: the gateway waits for no call, the worker holds none.
-    await until(lambda: not gateway._waiting and not local_worker._held, "the unstarted calls were cancelled")
+    await until(lambda: not redis_queue._waiting and not local_worker._held, "the unstarted calls were cancelled")
     ran_after = pool.calls_started - at_gone
     # What was running, plus at most one claim round.
     assert ran_after <= 2 * len(pool.slots) + 1, ran_after
@@ -390,17 +391,17 @@ async def test_a_full_queue_answers_overloaded_and_recovers(
 
 
 async def test_a_stopping_worker_hands_unstarted_calls_back(
-        redis_server: Service, pool: SlotPool, gateway: RedisQueue, prefix: str,
+        redis_server: Service, pool: SlotPool, redis_queue: RedisQueue, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="codeenv.worker")
     # Two workers on one 2-slot pool: `second` busies both slots, then `first` claims two calls
     # that can only wait for a slot. Stopping `first` must hand those back, not run them itself.
     first, second = (StreamWorker(settings_for(redis_server, prefix), pool=pool) for _ in range(2))
     await second.start()
-    busy = asyncio.ensure_future(gateway.submit([sleepy(i, 1.0) for i in range(2)]))
+    busy = asyncio.ensure_future(redis_queue.submit([sleepy(i, 1.0) for i in range(2)]))
     await until(lambda: pool.free_slots == 0, "the first two calls hold both slots", 10)
     await first.start()
-    waiting = asyncio.ensure_future(gateway.submit([sleepy(i, 0.1) for i in range(2, 4)]))
+    waiting = asyncio.ensure_future(redis_queue.submit([sleepy(i, 0.1) for i in range(2, 4)]))
     await until(lambda: len(first._held) == 2, "the stopping worker claimed the two waiting calls", 10)
     await first.stop()
     handed = [r for r in caplog.records if getattr(r, "event", None) == "hand_back"]
@@ -458,7 +459,7 @@ async def test_ten_thousand_calls_from_64_clients(mode: str, redis_server: Servi
 
 
 async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
-        redis_server: Service, gateway: RedisQueue, prefix: str, tmp_path: Path) -> None:
+        redis_server: Service, redis_queue: RedisQueue, prefix: str, tmp_path: Path) -> None:
     """The result write is shielded: SIGTERM to a worker (with no grace for running calls) while
     its result write keeps failing still lets the result reach the gateway once Redis takes it."""
     worker = WorkerProcess(redis_server, prefix, tmp_path / "w.log")
@@ -469,7 +470,7 @@ async def test_a_stopping_worker_still_writes_the_result_it_is_writing(
         await wait_for_workers(redis_server, prefix, 1)
         # Result writes (the only LPUSH, inside the finish script) fail from now on; claims do not.
         await r.execute_command("ACL", "SETUSER", "default", "-lpush")
-        call = asyncio.ensure_future(gateway.submit([ExecRequest(
+        call = asyncio.ensure_future(redis_queue.submit([ExecRequest(
             code="import time\ntime.sleep(0.5)\nprint('kept')", id="kept-1")]))
         deadline = time.monotonic() + 60
         [name] = await r.hkeys(f"{prefix}:workers")

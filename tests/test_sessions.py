@@ -18,7 +18,7 @@ import pytest
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.bench.services import Service
 from codeenv.client import AsyncClient, Client
-from codeenv.errors import InvalidRequest, SandboxError, SessionError
+from codeenv.errors import InvalidRequest, SandboxError, SessionError, SessionErrorKind
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
 from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
@@ -289,7 +289,7 @@ async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:
     await gone(m, s)
     with pytest.raises(SessionError) as lost:
         m.lookup(s.id)
-    assert lost.value.status == 410 and "deleted" in str(lost.value)
+    assert lost.value.kind is SessionErrorKind.ended and "deleted" in str(lost.value)
 
 
 async def test_deleting_a_session_stops_its_running_cell(pool: SlotPool) -> None:
@@ -323,7 +323,7 @@ async def test_the_least_recently_used_idle_session_is_evicted_under_memory_pres
     monkeypatch.setattr(m.settings, "session_min_available_mb", 1 << 30)  # more than any machine has
     with pytest.raises(SessionError) as refused:  # evicts every idle session, then: nothing left to evict
         await m.create("light")
-    assert refused.value.status == 429
+    assert refused.value.kind is SessionErrorKind.full
     for s in (old, recent):
         await gone(m, s)
         assert "evicted" in str(pytest.raises(SessionError, m.lookup, s.id).value)
@@ -339,7 +339,7 @@ async def test_eviction_takes_only_the_sessions_of_the_client_that_needs_room(
         monkeypatch.setattr(m.settings, "session_min_available_mb", 1 << 30)  # more than any machine has
         with pytest.raises(SessionError) as refused:  # bob's own idle session goes, then nothing of his is left
             await m.create("light", owner=bob)
-        assert refused.value.status == 429 and "none of your sessions" in str(refused.value)
+        assert refused.value.kind is SessionErrorKind.full and "none of your sessions" in str(refused.value)
         await gone(m, his)
         assert m.lookup(hers.id, alice) is hers  # alice's is untouched
         assert (await pool.run(ExecRequest(code="1", session=hers.id))).status == "rejected"  # not b"" 's

@@ -200,15 +200,16 @@ def test_output_is_capped_in_the_bytes_of_its_json() -> None:
     assert cut and 190 <= len(out) <= 200  # six bytes each
 
 
-def test_an_embedded_queue_takes_session_cells_before_its_pool_has_started() -> None:
-    """The native routes ask when they are made, before the pool has started and made its sessions."""
-    from codeenv.api.service import sessions_of, sessions_supported
+def test_which_queues_run_sessions() -> None:
+    """An embedded queue runs its pool's sessions (asked when the routes are made, before the pool has
+    started); the others route none yet, and the API answers 501."""
     from codeenv.queue.embedded import EmbeddedQueue
+    from codeenv.queue.host_socket import HostSocketQueue
+    from codeenv.queue.redis import RedisQueue
     from codeenv.sandbox.pool import SlotPool
 
-    queue = EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8)
-    assert sessions_supported(queue) and sessions_of(queue) is None
-    assert not sessions_supported(object())
+    assert EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8).sessions is not None
+    assert HostSocketQueue.sessions is None and RedisQueue.sessions is None
 
 
 def test_the_readme_lists_every_field_code_judge_requests_take() -> None:

@@ -27,11 +27,10 @@ from codeenv.api import compat, contract, judging, native, routers, sessions
 from codeenv.api.body import BodyParser
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
-from codeenv.api.service import Gateway, sessions_supported
+from codeenv.api.service import Gateway
 from codeenv.errors import ApiError
 from codeenv.models import ExecRequest, JudgeRequest, Limits, SessionCell, SessionCreate
-from codeenv.queue.base import CallQueue
-from codeenv.sandbox.image import find_spec
+from codeenv.queue.base import CallQueue, declared_profiles
 from codeenv.settings import GatewaySettings
 from codeenv.stopping import drain_on_signals
 
@@ -152,19 +151,11 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
-            app.openapi_schema = contract.complete(schema, settings, _profiles(settings), sessions_supported(queue))
+            app.openapi_schema = contract.complete(schema, settings, declared_profiles(settings.image),
+                                                   gateway.sessions is not None)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.metrics = metrics
     app.state.queue = queue
     return app
-
-
-def _profiles(settings: GatewaySettings) -> list[str]:
-    """The profiles of the image this gateway's settings name (for the document; none if unknown)."""
-    try:
-        spec, _ = find_spec(settings.image)
-    except Exception:  # an image declared by path, or not found here: the document names none
-        return []
-    return [p.name for p in spec.profiles]

@@ -25,20 +25,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from codeenv.admission import check_path
+from codeenv.admission import check_code_size, check_path
 from codeenv.api.pytest_driver import SECRET_BYTES as PYTEST_SECRET_BYTES
-from codeenv.api.service import (
-    SANDBOX_FUSION_STATUS,
-    Gateway,
-    body_schema,
-    merge,
-    parse,
-    refusal,
-    validation_errors,
-)
+from codeenv.api.service import Gateway, body_schema, merge, parse, validation_errors
+from codeenv.api.statuses import SANDBOX_FUSION, answered
 from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Status, Text, printable
+from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Refusal, Status, Text, printable
 from codeenv.settings import GatewaySettings
 
 #: The routes that take a JSON body (Guard reads and parses it).
@@ -148,8 +141,8 @@ def code_judge_router(gateway: Gateway) -> APIRouter:
             sub.sub_id = sub.sub_id or str(uuid.uuid4())
             made = _judge_request(sub, settings)
             if isinstance(made, str):
-                refused.append(ExecResult(status=Status.rejected, message=made))
-            else:  # the queue refuses what cannot run (over a cap, bad Unicode): `rejected`
+                refused.append(ExecResult(status=Status.rejected, refusal=Refusal.invalid, message=made))
+            else:  # the gateway refuses what cannot run (over a cap, bad Unicode): `rejected`
                 runnable.append(made)
                 refused.append(None)
         results = merge(refused, await gateway.answer(request, runnable))
@@ -281,8 +274,7 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
             source = code.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidRequest(f"code must be valid Unicode text (no lone surrogates): {exc}") from None
-        if len(source) > settings.max_code_bytes:
-            raise InvalidRequest(f"code is {len(source)} bytes; the limit is {settings.max_code_bytes}")
+        check_code_size(source, settings)  # the program travels as a file here, not as the call's code
         # As SandboxFusion: the file is a NamedTemporaryFile in the work dir, run as `pytest FILE *args`.
         name = "tmp" + "".join(secrets.choice(_TMP_NAME_CHARS) for _ in range(8)) + ".py"
         pytest_run = PytestRun(tally=f".codeenv-pytest-{secrets.token_hex(8)}.json", token=secrets.token_hex(16))
@@ -400,10 +392,10 @@ def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
             raise ApiError(422, validation_errors(exc)) from None
         except InvalidRequest as exc:
             raise ApiError(422, str(exc)) from None
-        [result] = await gateway.answer(request, [call])  # what the queue refuses comes back `rejected`: 422
-        error = refusal(result, SANDBOX_FUSION_STATUS)
-        if error is not None:
-            raise error
+        [result] = await gateway.answer(request, [call])  # a refused call comes back `rejected`: 422
+        code, headers = answered(result, SANDBOX_FUSION)
+        if code != 200:  # overloaded: 504, which SandboxFusion's clients retry
+            raise ApiError(code, result.message or result.status.value, headers)
         return JSONResponse(_fusion_response(result, notes, settings.sandbox_fusion_output_bytes, pytest_run))
 
     @api.get("/v1/ping")

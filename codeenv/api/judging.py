@@ -2,7 +2,7 @@
 
 A judged submission travels through the queue as one call (an ExecRequest whose `judge` holds the
 tests); the worker prepares it once and runs every test, comparing outputs outside the jail. Here
-the request is admitted (422 for a bad one) and the call's result becomes a JudgeResult.
+the request becomes that call (the gateway admits it: 422 for a bad one) and its result a JudgeResult.
 """
 
 from __future__ import annotations
@@ -11,19 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from codeenv.admission import judge_call
-from codeenv.api.service import (
-    NATIVE_STATUS,
-    RETRY_AFTER_S,
-    Gateway,
-    body_schema,
-    conflict_status,
-    merge,
-    parse,
-    split_batch,
-)
+from codeenv.admission import to_judge_call
+from codeenv.api.service import Gateway, body_schema, merge, parse, split_batch
+from codeenv.api.statuses import NATIVE, answered, answered_batch
 from codeenv.errors import ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult, Status
+from codeenv.models import ExecRequest, ExecResult, JudgeRequest, JudgeResult
 
 #: The routes that take a JSON body (Guard reads and parses it).
 JSON_PATHS = frozenset({"/v1/judge", "/v1/judge/batch", "/v1/judge/stream"})
@@ -49,9 +41,9 @@ def _encode(result: ExecResult) -> str:
     return JudgeResult.from_call(result).model_dump_json()
 
 
-def _admit(item: JudgeRequest, gateway: Gateway) -> ExecRequest:
+def _call(item: JudgeRequest) -> ExecRequest:
     try:
-        return judge_call(item, gateway.settings)
+        return to_judge_call(item)
     except InvalidRequest as exc:
         raise ApiError(422, str(exc)) from None
 
@@ -67,17 +59,13 @@ def router(gateway: Gateway) -> APIRouter:
                                                                     "seconds"}})
     async def judge(request: Request) -> Response:
         """Run a submission against every test of a problem; one verdict per test."""
-        call = _admit(parse(request, JudgeRequest), gateway)
-        [result] = await gateway.answer(request, [call])
-        if result.status == Status.rejected:
-            raise ApiError(conflict_status(result), result.message)
-        code = NATIVE_STATUS.get(result.status, 200)
-        headers = {"Retry-After": RETRY_AFTER_S} if code != 200 else None
+        [result] = await gateway.answer(request, [_call(parse(request, JudgeRequest))])
+        code, headers = answered(result, NATIVE)  # a refused call: its 4xx
         return Response(_encode(result), code, headers, media_type="application/json")
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
-        return split_batch(request, settings.max_batch,
-                           lambda item: judge_call(JudgeRequest.model_validate(item), settings), "submissions")
+        return split_batch(request, settings.max_batch, lambda item: to_judge_call(JudgeRequest.model_validate(item)),
+                           "submissions")
 
     @api.post("/v1/judge/batch", response_model=JudgeBatchResponse, openapi_extra=body_schema("JudgeBatchRequest"),
               responses={429: {"model": JudgeBatchResponse, "description": "every submission overloaded (none run)"}})
@@ -86,10 +74,8 @@ def router(gateway: Gateway) -> APIRouter:
         valid, refused = parse_batch(request)
         results = merge(refused, await gateway.answer(request, valid))
         payload = '{"results":[' + ",".join(_encode(r) for r in results) + "]}"
-        if results and all(r.status == Status.overloaded for r in results):
-            return Response(payload, NATIVE_STATUS[Status.overloaded], {"Retry-After": RETRY_AFTER_S},
-                            media_type="application/json")
-        return Response(payload, media_type="application/json")
+        code, headers = answered_batch(results, NATIVE)
+        return Response(payload, code, headers, media_type="application/json")
 
     @api.post("/v1/judge/stream", openapi_extra=body_schema("JudgeBatchRequest"),
               responses={200: {"description": '{"accepted": n}, then one JSON line per submission, {"i": index, '

@@ -9,21 +9,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
-from codeenv.api.service import (
-    NATIVE_STATUS,
-    NO_SESSIONS,
-    RETRY_AFTER_S,
-    Gateway,
-    body_schema,
-    conflict_status,
-    merge,
-    parse,
-    refusal,
-    sessions_supported,
-    split_batch,
-)
-from codeenv.errors import ApiError, InvalidRequest, QueueUnavailable
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.api.service import Gateway, body_schema, merge, parse, split_batch
+from codeenv.api.statuses import NATIVE, RETRY_AFTER_S, answered, answered_batch
+from codeenv.errors import ApiError, QueueUnavailable
+from codeenv.models import ExecRequest, ExecResult
 
 logger = logging.getLogger("codeenv.api")
 
@@ -51,7 +40,13 @@ def _json(result: ExecResult, status_code: int = 200, headers: dict[str, str] | 
 
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
-    settings, calls, metrics = gateway.settings, gateway.queue, gateway.metrics
+    _calls(api, gateway)
+    _service(api, gateway)
+    return api
+
+
+def _calls(api: APIRouter, gateway: Gateway) -> None:
+    """/v1/execute, its batch and its stream."""
 
     @api.post("/v1/execute", response_model=ExecResult, openapi_extra=body_schema("ExecRequest"),
               responses={422: {"description": "the request cannot be run as sent"},
@@ -61,28 +56,13 @@ def router(gateway: Gateway) -> APIRouter:
                          409: {"description": "its id names another call (a different program): use a new id"}})
     async def execute(request: Request) -> Response:
         """Run one program and return its structured result."""
-        one = parse(request, ExecRequest)
-        if one.session is not None and not sessions:
-            raise ApiError(422, NO_SESSIONS.format(queue=type(calls).__name__))
-        [result] = await gateway.answer(request, [one])
-        error = refusal(result, NATIVE_STATUS)
-        if error is not None and result.status == Status.rejected:
-            raise ApiError(conflict_status(result), result.message)
-        if error is not None:  # overloaded: the result itself, with the status the client retries
-            return _json(result, error.status_code, error.headers)
-        return _json(result)
-
-    sessions = sessions_supported(calls)
-
-    def call(item: object) -> ExecRequest:
-        request = ExecRequest.model_validate(item)
-        if request.session is not None and not sessions:
-            raise InvalidRequest(NO_SESSIONS.format(queue=type(calls).__name__))
-        return request
+        [result] = await gateway.answer(request, [parse(request, ExecRequest)])
+        code, headers = answered(result, NATIVE)  # a refused call: its 4xx
+        return _json(result, code, headers)  # overloaded: the result itself, with the status the client retries
 
     def parse_batch(request: Request) -> tuple[list[ExecRequest], list[ExecResult | None]]:
         """The valid calls of a batch, and per item either None (valid) or its `rejected` result."""
-        return split_batch(request, settings.max_batch, call)
+        return split_batch(request, gateway.settings.max_batch, ExecRequest.model_validate)
 
     @api.post("/v1/execute/batch", response_model=BatchResponse, openapi_extra=body_schema("BatchRequest"),
               responses={429: {"model": BatchResponse, "description": "every call overloaded (none run): retry "
@@ -92,10 +72,8 @@ def router(gateway: Gateway) -> APIRouter:
         valid, refused = parse_batch(request)
         results = merge(refused, await gateway.answer(request, valid))
         payload = '{"results":[' + ",".join(r.encoded() for r in results) + "]}"
-        if results and all(r.status == Status.overloaded for r in results):
-            return Response(payload, NATIVE_STATUS[Status.overloaded], {"Retry-After": RETRY_AFTER_S},
-                            media_type="application/json")
-        return Response(payload, media_type="application/json")
+        code, headers = answered_batch(results, NATIVE)
+        return Response(payload, code, headers, media_type="application/json")
 
     @api.post("/v1/execute/stream", openapi_extra=body_schema("BatchRequest"),
               responses={200: {"description": '{"accepted": n}, then one JSON line per call, {"i": index, '
@@ -108,6 +86,11 @@ def router(gateway: Gateway) -> APIRouter:
         cancels its calls that have not started."""
         valid, refused = parse_batch(request)
         return gateway.stream(request, valid, refused, ExecResult.encoded)
+
+
+def _service(api: APIRouter, gateway: Gateway) -> None:
+    """Results by id, health, readiness and metrics."""
+    calls, metrics = gateway.queue, gateway.metrics
 
     @api.get("/v1/results/{call_id:path}", response_model=ExecResult,
              responses={202: {"description": "the call is still running"}, 404: {"description": "unknown id"},
@@ -140,5 +123,3 @@ def router(gateway: Gateway) -> APIRouter:
     @api.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return api

@@ -1,6 +1,6 @@
-"""What every API of the gateway shares: running calls through the queue (metrics, logs, a client
-that hangs up cancels its unstarted calls), merging refused items back into a batch, parsing a
-body into a model, and the HTTP status each API gives a result."""
+"""What every API of the gateway shares: admitting calls once and running them through the queue
+(metrics, logs, a client that hangs up cancels its unstarted calls), merging refused items back into
+a batch, and parsing a body into a model. The HTTP status of each outcome: `codeenv.api.statuses`."""
 
 from __future__ import annotations
 
@@ -9,32 +9,25 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from codeenv.admission import check
 from codeenv.api.contract import SESSION_KEY_PATHS
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
-from codeenv.errors import ID_TAKEN, NO_SESSION, ApiError, InvalidRequest
-from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Status
-from codeenv.queue.base import CallQueue
-from codeenv.sandbox.sessions import SessionManager
+from codeenv.errors import ApiError, InvalidRequest
+from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Refusal, Status
+from codeenv.queue.base import CallQueue, SessionService
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger("codeenv.api")
 
-RETRY_AFTER_S = "1"
 DISCONNECT_POLL_S = 0.25
-
-#: The HTTP status a result of one call gets, per API, where it is not 200: the native API answers
-#: overload with 429 and Retry-After; SandboxFusion's clients retry only 504 (verl).
-NATIVE_STATUS: Mapping[Status, int] = {Status.rejected: 422, Status.overloaded: 429}
-SANDBOX_FUSION_STATUS: Mapping[Status, int] = {Status.rejected: 422, Status.overloaded: 504}
-
 
 #: What a gateway whose queue runs no sessions answers a session's cell.
 NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool); this gateway's queue "
@@ -64,39 +57,6 @@ def body_schema(model: str, required: bool = True) -> dict[str, Any]:
     the document's components by create_app)."""
     return {"requestBody": {"required": required, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
-
-
-def sessions_of(queue: object) -> SessionManager | None:
-    """The sessions of the queue's pool (embedded mode), or None where it runs none."""
-    manager = getattr(getattr(queue, "pool", None), "sessions", None)
-    return manager if isinstance(manager, SessionManager) else None
-
-
-def sessions_supported(queue: object) -> bool:
-    """Whether the queue has a pool, which runs sessions: asked when the routes are made, before the
-    pool has started (and made its `SessionManager`, `sessions_of`)."""
-    return getattr(getattr(queue, "pool", None), "sessions", False) is not False
-
-
-def conflict_status(result: ExecResult) -> int:
-    """The HTTP status of a refused call: 404 for a session that never existed, 409 for an id that
-    names another call, 422 for the rest."""
-    message = result.message or ""
-    if message.startswith(NO_SESSION):
-        return 404
-    if message.endswith(ID_TAKEN):
-        return 409
-    return 422
-
-
-def refusal(result: ExecResult, statuses: Mapping[Status, int]) -> ApiError | None:
-    """The HTTP error to answer instead of this result, or None if it is answered with 200."""
-    code = statuses.get(result.status)
-    if code is None:
-        return None
-    if result.status == Status.rejected:
-        return ApiError(code, result.message)
-    return ApiError(code, result.message or result.status.value, {"Retry-After": RETRY_AFTER_S})
 
 
 def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
@@ -144,7 +104,7 @@ def rejected(item: Any, why: ValidationError | str) -> ExecResult:
         except UnicodeEncodeError:  # e.g. a lone surrogate: nothing could send it back
             call_id = None
     message = why if isinstance(why, str) else json.dumps(validation_errors(why))
-    return ExecResult(id=call_id, status=Status.rejected, message=message)
+    return ExecResult(id=call_id, status=Status.rejected, refusal=Refusal.invalid, message=message)
 
 
 def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> list[ExecResult]:
@@ -156,7 +116,11 @@ def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> li
 def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
     """Each session cell of `calls` asks as the owner of the request's session key (a malformed key
     is a 422 whether or not a call names a session: the document declares the header)."""
-    named = any(call.session is not None for call in calls)
+    named = False
+    for call in calls:  # a loop, not any(): this runs for every request
+        if call.session is not None:
+            named = True
+            break
     if not named and not request.url.path.startswith(SESSION_KEY_PATHS):
         return
     key = session_key(request)
@@ -167,18 +131,39 @@ def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
 
 
 class Gateway:
-    """Runs calls for the routes: through the queue, counted in the metrics, logged per batch."""
+    """Runs calls for the routes: admitted once, through the queue, counted in the metrics, logged
+    per batch. `sessions` are the queue's (None where it runs none)."""
 
     def __init__(self, settings: GatewaySettings, queue: CallQueue, metrics: Metrics) -> None:
         self.settings = settings
         self.queue = queue
         self.metrics = metrics
+        # A queue written before CallQueue had `sessions` (e.g. a test's own fake) runs none.
+        self.sessions: SessionService | None = getattr(queue, "sessions", None)
+
+    def admit(self, calls: list[ExecRequest]) -> list[ExecResult | None] | None:
+        """Each call checked against this gateway's settings (the one admission on this side): None
+        when every call is admitted, else per call its `rejected` result or None."""
+        refused: list[ExecResult | None] | None = None
+        for index, call in enumerate(calls):
+            try:
+                if call.session is not None and self.sessions is None:
+                    raise InvalidRequest(NO_SESSIONS.format(queue=type(self.queue).__name__))
+                check(call, self.settings)
+            except InvalidRequest as exc:
+                if refused is None:
+                    refused = [None] * len(calls)
+                refused[index] = ExecResult(id=call.id, status=Status.rejected, refusal=Refusal.invalid,
+                                            message=str(exc))
+        return refused
 
     async def answer(self, request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         """One result per call, in order; a client that hangs up cancels its unstarted calls."""
         bind_owner(request, requests)
         if not requests:
             return []
+        refused = self.admit(requests)
+        valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
         self.metrics.in_flight.inc(len(requests))
         started = request.scope.get(ACCEPTED, time.monotonic())
         gone = asyncio.Event()
@@ -191,16 +176,19 @@ class Gateway:
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            results = await self.queue.submit(requests, gone, started)
+            results = await self.queue.submit(valid, gone, started) if valid else []
         finally:
             watcher.cancel()
             self.metrics.in_flight.dec(len(requests))
+        if refused is not None:
+            results = merge(refused, results)
         self.metrics.observe(results)
-        statuses: dict[str, int] = {}
-        for r in results:
-            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
-        logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
-                                    "ms": round(1000 * (time.monotonic() - started), 2)})
+        if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
+            statuses: dict[str, int] = {}
+            for r in results:
+                statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+            logger.info("batch", extra={"event": "batch", "calls": len(results), "statuses": statuses,
+                                        "ms": round(1000 * (time.monotonic() - started), 2)})
         return results
 
     def stream(self, request: Request, valid: list[ExecRequest], refused: list[ExecResult | None],
@@ -209,6 +197,13 @@ class Gateway:
         once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
         end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
         bind_owner(request, valid)
+        more = self.admit(valid)
+        if more is not None:  # refused here: answered in their place in the batch
+            unrefused = [i for i, item in enumerate(refused) if item is None]
+            for index, item in zip(unrefused, more, strict=True):
+                if item is not None:
+                    refused[index] = item
+            valid = [call for call, item in zip(valid, more, strict=True) if item is None]
         gone = asyncio.Event()
         indices = [i for i, item in enumerate(refused) if item is None]
         started = request.scope.get(ACCEPTED, time.monotonic())

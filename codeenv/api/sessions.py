@@ -20,23 +20,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from codeenv.admission import resolve_limits
-from codeenv.api.service import (
-    NATIVE_STATUS,
-    NO_SESSIONS,
-    Gateway,
-    body_schema,
-    conflict_status,
-    owner,
-    parse,
-    refusal,
-    session_key,
-    sessions_of,
-)
-from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError
-from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList, Status
-from codeenv.sandbox.sessions import SessionManager
+from codeenv.api.service import NO_SESSIONS, Gateway, body_schema, owner, parse, session_key
+from codeenv.api.statuses import SESSION_CELL, answered, session_error, session_start_failed
+from codeenv.errors import ApiError, InvalidRequest, SandboxError, SessionError, session_not_found
+from codeenv.models import ExecResult, SessionCell, SessionCreate, SessionInfo, SessionList
+from codeenv.queue.base import SessionService
 
 logger = logging.getLogger("codeenv.api")
 
@@ -76,21 +66,23 @@ def is_json_route(method: str, path: str) -> bool:
     return method == "POST" and (path == PREFIX or (path.startswith(PREFIX + "/") and path.endswith("/execute")))
 
 
-def session_manager(gateway: Gateway) -> SessionManager:
-    """The sessions of the pool behind this gateway; ApiError 501 if its queue has none."""
-    manager = sessions_of(gateway.queue)
-    if manager is None:
+def session_service(gateway: Gateway) -> SessionService:
+    """The sessions of the queue behind this gateway; ApiError 501 if it runs none."""
+    service = gateway.sessions
+    if service is None:
         raise ApiError(501, NO_SESSIONS.format(queue=type(gateway.queue).__name__))
-    return manager
-
-
-def _error(exc: SessionError) -> ApiError:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return ApiError(exc.status, str(exc), headers)
+    return service
 
 
 def router(gateway: Gateway) -> APIRouter:
     api = APIRouter()
+    _all_sessions(api, gateway)
+    _one_session(api, gateway)
+    return api
+
+
+def _all_sessions(api: APIRouter, gateway: Gateway) -> None:
+    """Create a session, list the caller's."""
 
     @api.post(PREFIX, status_code=201, response_model=SessionInfo,
               openapi_extra=body_schema("SessionCreate", required=False),
@@ -99,37 +91,40 @@ def router(gateway: Gateway) -> APIRouter:
         """Start a live session: an interpreter whose globals, imports, open files and work dir last
         from cell to cell, until it is deleted or idle for `idle_ttl_s`."""
         body = parse(request, SessionCreate)
-        manager = session_manager(gateway)
+        service = session_service(gateway)
         key = session_key(request)
         made = None if key is not None else secrets.token_urlsafe(32)
         try:
-            session = await manager.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made))
+            info = await service.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made))
         except SessionError as exc:
-            raise _error(exc) from None
+            raise session_error(exc) from None
         except InvalidRequest as exc:
             raise ApiError(422, str(exc)) from None
         except SandboxError as exc:  # e.g. a host whose kernel refuses a family's namespaces
             logger.error("a session could not start: %s", exc)
-            raise ApiError(503, f"a session could not start on this worker: {exc}",
-                           {"Retry-After": "5"}) from None
-        return JSONResponse(SessionInfo(**session.describe(), session_key=made).model_dump(exclude_none=True), 201,
-                            {"Location": f"{PREFIX}/{session.id}"})
+            raise session_start_failed(exc) from None
+        info.session_key = made
+        return JSONResponse(info.model_dump(exclude_none=True), 201, {"Location": f"{PREFIX}/{info.session_id}"})
 
     @api.get(PREFIX, response_model=SessionList, responses={501: ERRORS[501], 422: ERRORS[422]})
     async def listing(request: Request) -> SessionList:
         """The caller's live sessions (those created with its X-Codeenv-Session-Key): age, idle
         time, cells, family memory."""
-        manager = session_manager(gateway)
-        return SessionList(sessions=[SessionInfo(**d) for d in manager.describe(owner(session_key(request)))])
+        service = session_service(gateway)
+        return SessionList(sessions=await service.describe(owner(session_key(request))))
+
+
+def _one_session(api: APIRouter, gateway: Gateway) -> None:
+    """Show one session, run its next cell, fork it, delete it."""
 
     @api.get(PREFIX + "/{session_id}", response_model=SessionInfo, responses={
         k: v for k, v in ERRORS.items() if k not in (429, 503)})
     async def show(session_id: str, request: Request) -> SessionInfo:
         """One live session of the caller."""
         try:
-            return SessionInfo(**session_manager(gateway).lookup(session_id, owner(session_key(request))).describe())
+            return await session_service(gateway).lookup(session_id, owner(session_key(request)))
         except SessionError as exc:
-            raise _error(exc) from None
+            raise session_error(exc) from None
 
     @api.post(PREFIX + "/{session_id}/execute", response_model=ExecResult, openapi_extra=body_schema("SessionCell"),
               responses={**ERRORS, 409: {"description": "its id names another call: use a new id"},
@@ -142,20 +137,14 @@ def router(gateway: Gateway) -> APIRouter:
         expression), `execution_count` and `rolled_back` (a cell stopped by a limit leaves the
         session exactly as before it)."""
         cell = parse(request, SessionCell)
-        manager = session_manager(gateway)
+        session_service(gateway)
         try:
-            resolve_limits(cell.limits, gateway.settings.defaults, gateway.settings.caps)
-        except InvalidRequest as exc:  # as for a session that still lives: its cells could not run
-            raise ApiError(422, str(exc)) from None
-        try:
-            manager.lookup(session_id, owner(session_key(request)))
-        except SessionError as exc:
-            if exc.status == 410:
-                return _answer(ExecResult(id=cell.id, status=Status.session_lost, message=str(exc),
-                                          session=session_id))
-            raise _error(exc) from None
-        [result] = await gateway.answer(request, [cell.to_request(session_id)])
-        return _answer(result)
+            call = cell.to_request(session_id)
+        except ValidationError:  # an id no session can have (too long, not text): none of the caller's
+            raise session_error(session_not_found(session_id)) from None
+        [result] = await gateway.answer(request, [call])
+        code, headers = answered(result, SESSION_CELL)  # a refused cell: its 4xx (404 for no such session)
+        return Response(result.encoded(), code, headers, media_type="application/json")
 
     @api.post(PREFIX + "/{session_id}/fork", status_code=201, response_model=SessionInfo, responses={
         **{k: v for k, v in ERRORS.items() if k != 503},
@@ -164,31 +153,17 @@ def router(gateway: Gateway) -> APIRouter:
         """A new session from this one's current state (copy-on-write; its work dir is copied), the
         caller's too. A fork asked for while a cell runs waits for the cell to end."""
         try:
-            child = await session_manager(gateway).fork(session_id, owner(session_key(request)))
+            child = await session_service(gateway).fork(session_id, owner(session_key(request)))
         except SessionError as exc:
-            raise _error(exc) from None
-        return JSONResponse(SessionInfo(**child.describe()).model_dump(), 201, {"Location": f"{PREFIX}/{child.id}"})
+            raise session_error(exc) from None
+        return JSONResponse(child.model_dump(), 201, {"Location": f"{PREFIX}/{child.session_id}"})
 
     @api.delete(PREFIX + "/{session_id}", status_code=204, responses={
         k: v for k, v in ERRORS.items() if k not in (429, 503)})
     async def delete(session_id: str, request: Request) -> Response:
         """End a session: its processes and files are gone when this answers."""
         try:
-            await session_manager(gateway).delete(session_id, owner(session_key(request)))
+            await session_service(gateway).delete(session_id, owner(session_key(request)))
         except SessionError as exc:
-            raise _error(exc) from None
+            raise session_error(exc) from None
         return Response(status_code=204)
-
-    return api
-
-
-def _answer(result: ExecResult) -> Response:
-    body = result.encoded()
-    if result.status == Status.session_lost:
-        return Response(body, 410, media_type="application/json")
-    if result.status == Status.rejected:
-        raise ApiError(conflict_status(result), result.message)
-    error = refusal(result, NATIVE_STATUS)
-    if error is not None:
-        return Response(body, error.status_code, error.headers, media_type="application/json")
-    return Response(body, media_type="application/json")

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from codeenv.admission import resolve_limits
-from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult, notify_each
+from codeenv.models import ExecRequest, ExecResult, Refusal, Status
+from codeenv.queue.base import NO_STATS, OnResult, SessionService, notify_each
 from codeenv.sandbox.image import Image, ensure_image
 from codeenv.sandbox.uids import UidBlock, check_uids_free, check_uids_mapped, claim_for
 from codeenv.settings import SandboxSettings
@@ -48,6 +48,8 @@ def host_python_env(image: Image) -> tuple[str, dict[str, str]]:
 
 class BaselineQueue:
     """A CallQueue that starts a fresh interpreter (optionally in a fresh jail) per call."""
+
+    sessions: SessionService | None = None
 
     def __init__(self, design: str, settings: SandboxSettings) -> None:
         if design not in DESIGNS:
@@ -129,9 +131,9 @@ class BaselineQueue:
         try:
             limits = resolve_limits(request.limits, self.settings.defaults, self.settings.caps)
         except ValueError as exc:
-            return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
         if len(request.code.encode()) > MAX_ARG_BYTES or "\0" in request.code:
-            return ExecResult(id=request.id, status=Status.rejected,
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid,
                               message=f"a baseline passes code as an argument: at most {MAX_ARG_BYTES} bytes, no NUL")
         self._waiting += 1
         try:

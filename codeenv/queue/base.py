@@ -1,4 +1,5 @@
-"""The interface every queue backend offers the gateway."""
+"""The interface every queue backend offers the gateway: calls (`CallQueue`) and, where its workers
+run them, live sessions (`SessionService`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from codeenv.models import ExecRequest, ExecResult
+from codeenv.models import ExecRequest, ExecResult, Limits, SessionInfo
 
 #: The gauges of a queue that has no figures yet (see CallQueue.stats).
 NO_STATS: dict[str, float] = {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
@@ -49,8 +50,53 @@ async def until_done_or_gone[T](batch: asyncio.Future[T], gone: asyncio.Event | 
         watcher.cancel()
 
 
+class SessionService(Protocol):
+    """The live sessions of a queue's workers, for the gateway. `owner` names whose sessions (the hash
+    of the caller's session key): another owner's session is answered as one that never existed.
+
+    Raises SessionError (its `kind` says why: not_found, ended, full, unsupported, conflict), and
+    InvalidRequest for a bad profile or limits. A session's cells are calls (ExecRequest.session).
+    """
+
+    async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
+                     owner: bytes) -> SessionInfo:
+        """A new session (and family) of `owner`."""
+        ...
+
+    async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:
+        """The live session `session_id` of `owner`."""
+        ...
+
+    async def fork(self, session_id: str, owner: bytes) -> SessionInfo:
+        """A new session from this one's state (after its running cell, if any), also `owner`'s."""
+        ...
+
+    async def delete(self, session_id: str, owner: bytes) -> None:
+        """End a session: its processes and files are gone when this returns."""
+        ...
+
+    async def describe(self, owner: bytes) -> list[SessionInfo]:
+        """The live sessions of `owner`, and no one else's."""
+        ...
+
+
+def declared_profiles(image: str) -> list[str]:
+    """The profiles of the image a gateway's settings name, as the package declares it (none when it is
+    declared elsewhere, e.g. by path on the workers' hosts): for the gateway's OpenAPI document."""
+    from codeenv.sandbox.image import find_spec
+
+    try:
+        spec, _ = find_spec(image)
+    except Exception:  # an image declared by path, or not found here: the document names none
+        return []
+    return [p.name for p in spec.profiles]
+
+
 class CallQueue(Protocol):
     """Takes batches of calls and answers each with a result, in order."""
+
+    #: The sessions its workers run, or None where it routes none (the API answers 501).
+    sessions: SessionService | None
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -19,16 +19,47 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from codeenv.errors import InvalidRequest, PoolClosed, id_taken
-from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import OnResult, notify_each, until_done_or_gone
+from codeenv.errors import InvalidRequest, PoolClosed, SessionError, SessionErrorKind, id_taken
+from codeenv.models import ExecRequest, ExecResult, Limits, Refusal, SessionInfo, Status
+from codeenv.queue.base import OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.sandbox.pool import SlotPool
+from codeenv.sandbox.sessions import SessionManager
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
 #: Why a call that had not started when the service began to stop is answered `overloaded`.
 STOPPING = "the service is stopping: the call was not started; send it again (to another server)"
+
+
+class PoolSessions:
+    """The sessions of an in-process pool (its SessionManager), as the gateway's SessionService."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+
+    def _manager(self) -> SessionManager:
+        manager = self.pool.sessions
+        if manager is None:  # made when the pool starts
+            raise SessionError("the worker's pool has not started", SessionErrorKind.unsupported)
+        return manager
+
+    async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
+                     owner: bytes) -> SessionInfo:
+        session = await self._manager().create(profile, limits, idle_ttl_s, owner)
+        return SessionInfo(**session.describe())
+
+    async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:
+        return SessionInfo(**self._manager().lookup(session_id, owner).describe())
+
+    async def fork(self, session_id: str, owner: bytes) -> SessionInfo:
+        return SessionInfo(**(await self._manager().fork(session_id, owner)).describe())
+
+    async def delete(self, session_id: str, owner: bytes) -> None:
+        await self._manager().delete(session_id, owner)
+
+    async def describe(self, owner: bytes) -> list[SessionInfo]:
+        return [SessionInfo(**d) for d in self._manager().describe(owner)]
 
 
 class EmbeddedQueue:
@@ -43,6 +74,7 @@ class EmbeddedQueue:
                  max_remembered: int = 100_000, max_remembered_bytes: int = 256 << 20,
                  grace_s: float = 30.0) -> None:
         self.pool = pool
+        self.sessions: SessionService | None = PoolSessions(pool)
         self.max_queued = max_queued
         self.in_flight = 0
         self.results_ttl_s = results_ttl_s
@@ -229,7 +261,7 @@ class EmbeddedQueue:
         done = self._done.get(request.id)
         known = running[0] if running is not None else done[0] if done is not None else ""
         if known != fingerprint(request):
-            return ExecResult(id=request.id, status=Status.rejected, started=False,
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.id_taken, started=False,
                               message=id_taken(request.id))
         if done is not None:
             return done[1]
@@ -259,7 +291,8 @@ class EmbeddedQueue:
             return await self.pool.run(request, on_dispatch=on_dispatch, accepted_at=accepted,
                                        before_start=before_start)
         except InvalidRequest as exc:
-            return ExecResult(id=request.id, status=Status.rejected, started=False, message=str(exc))
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, started=False,
+                              message=str(exc))
         except PoolClosed as exc:
             return ExecResult(id=request.id, status=Status.overloaded, started=False, message=str(exc))
         except Exception as exc:  # our fault: this call says so, the rest of the batch is unaffected

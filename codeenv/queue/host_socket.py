@@ -38,7 +38,7 @@ from pathlib import Path
 
 from codeenv.errors import QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult, until_done_or_gone
+from codeenv.queue.base import NO_STATS, OnResult, SessionService, until_done_or_gone
 from codeenv.queue.embedded import STOPPING, EmbeddedQueue
 from codeenv.settings import GatewaySettings
 
@@ -173,6 +173,9 @@ class HostSocketQueue:
     """A gateway's side of HostSocketServer: the CallQueue interface over a Unix socket. If the pool
     process goes away, the calls it held are answered at once (see the module docstring) and the
     queue reconnects in the background; meanwhile it is not ready and new calls are overloaded."""
+
+    #: The pool process runs no sessions for its gateways (yet).
+    sessions: SessionService | None = None
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -26,10 +26,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from codeenv.admission import admit
-from codeenv.errors import InvalidRequest, QueueUnavailable, id_taken
-from codeenv.models import ExecRequest, ExecResult, Status
-from codeenv.queue.base import NO_STATS, OnResult, notify_each, until_done_or_gone
+from codeenv.errors import QueueUnavailable, id_taken
+from codeenv.models import ExecRequest, ExecResult, Refusal, Status
+from codeenv.queue.base import NO_STATS, OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.queue.embedded import STOPPING, fingerprint
 from codeenv.queue.redis_protocol import (
     DONE_TTL_S,
@@ -87,6 +86,9 @@ class RedisQueue:
     Calls submitted in the same event-loop tick (concurrent single calls and batches alike) go to
     Redis in one script run; results come back in bulk from this process's own reply list.
     """
+
+    #: Sessions are not routed across workers yet.
+    sessions: SessionService | None = None
 
     def __init__(self, settings: GatewaySettings) -> None:
         if settings.redis_url is None:
@@ -178,11 +180,6 @@ class RedisQueue:
         for request in requests:
             future: asyncio.Future[ExecResult] = loop.create_future()
             futures.append(future)
-            try:
-                admit(request, self.settings)
-            except InvalidRequest as exc:
-                future.set_result(ExecResult(id=request.id, status=Status.rejected, message=str(exc)))
-                continue
             if self._down is not None or self._draining:
                 why = STOPPING if self._draining else f"the queue is unreachable ({self._down}); retry later"
                 future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False, message=why))
@@ -233,7 +230,8 @@ class RedisQueue:
                     payload = encode_job(call.key, self.reply, call.request.id, call.request.model_dump_json(),
                                          time.time() - (time.monotonic() - call.accepted))
                 except ValueError as exc:  # e.g. text that cannot be encoded: this call alone is refused
-                    call.answer(ExecResult(id=None, status=Status.rejected, message=f"cannot be queued: {exc}"))
+                    call.answer(ExecResult(id=None, status=Status.rejected, refusal=Refusal.invalid,
+                                           message=f"cannot be queued: {exc}"))
                     continue
                 # Registered before the write: a fast worker's result may be read before the
                 # script's own reply.
@@ -274,8 +272,8 @@ class RedisQueue:
     def _attach(self, call: _Call, fp: str, job: str, _entry: str) -> None:
         """A resubmission of a call its client id already names: answer it with that call's result."""
         if fp != call.fingerprint:
-            call.answer(ExecResult(id=call.request.id, status=Status.rejected, started=False,
-                                   message=id_taken(call.request.id)))
+            call.answer(ExecResult(id=call.request.id, status=Status.rejected, refusal=Refusal.id_taken,
+                                   started=False, message=id_taken(call.request.id)))
             return
         original = self._waiting.get(job)
         if original is not None:  # written by this gateway: share its future

