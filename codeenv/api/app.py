@@ -107,7 +107,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             await queue.close()
             if worker is not None:
                 await stopping.worker_stopped()
-            parser.close()
+            await parser.close()
             metrics.process_exit()
 
     # /docs (Swagger UI) and /redoc load their scripts and styles from DOCS_ASSETS, served here from

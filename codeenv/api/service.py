@@ -67,7 +67,7 @@ def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
 def parse[M: BaseModel](request: Request, model: type[M]) -> M:
     """The request's JSON body (parsed by Guard) as `model`; ApiError 422 saying what is wrong."""
     try:
-        return model.model_validate(request.scope[JSON_BODY])
+        return model.model_validate(request.scope.pop(JSON_BODY, None))  # nothing else of it is kept
     except ValidationError as exc:
         raise ApiError(422, validation_errors(exc)) from None
 
@@ -76,7 +76,7 @@ def split_batch(request: Request, max_batch: int, call: Callable[[Any], ExecRequ
                 noun: str = "calls") -> tuple[list[ExecRequest], list[ExecResult | None]]:
     """The calls of a batch body `{"requests": [...]}` (each item made one by `call`), and per item
     None (valid) or its `rejected` result; ApiError 422 for another shape or too many items."""
-    body = request.scope[JSON_BODY]
+    body = request.scope.pop(JSON_BODY, None)  # kept only while its items are read
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list):
         raise ApiError(422, "the body must be an object with a list under 'requests'")
