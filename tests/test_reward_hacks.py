@@ -196,7 +196,7 @@ async def test_an_observer_sees_nothing_of_the_expected_answers(pool: SlotPool, 
         seen.append([(t.stdout if stdin else t.value) or "" for t in r.tests])
     for left, right in zip(*seen, strict=True):
         assert left == right, f"an observation differs with the expected answer:\n{left}\n{right}"
-    record = json.loads(seen[0][0] if stdin else json.loads(seen[0][0]))
+    record = json.loads(seen[0][0])  # the observer prints, or returns, its record as JSON text
     assert record["mmaps"] and record["stdin"] == (1 if stdin else 0), record  # it saw what it looked for
 
 
