@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
-from codeenv.models import ExecRequest, JudgeRequest, Limits, LimitValues
+from codeenv.models import RETURNED_BYTES, ExecRequest, JudgeRequest, Limits, LimitValues
 
 if TYPE_CHECKING:
     from codeenv.settings import SandboxSettings
@@ -186,3 +186,12 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
     if total is None:
         total = min(len(tests) * (wall + 1), settings.judge_max_total_wall_s)
     return limits, total
+
+
+def answer_bytes(request: ExecRequest, settings: SandboxSettings) -> int:
+    """The most output a call's result may carry: stdout and stderr at its output cap (in the bytes
+    of their JSON), or for a judged call 3 x RETURNED_BYTES per test (its streams and value)."""
+    if request.judge is not None:
+        return 3 * RETURNED_BYTES * len(request.judge.tests)
+    asked = request.limits.output_bytes
+    return 2 * (asked if asked is not None else settings.defaults.output_bytes)

@@ -138,6 +138,10 @@ def _valid_text(value: str) -> str:
     return value
 
 
+#: Bytes of each stream (and of a returned value) a judged test's result carries; the comparison sees all.
+RETURNED_BYTES = 4096
+
+
 def printable(text: str) -> str:
     """`text` (something a program produced: an exception's message, a repr) with every lone surrogate
     replaced by U+FFFD, so that any encoder takes it; one program's text never fails a response."""

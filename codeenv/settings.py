@@ -213,6 +213,9 @@ class GatewaySettings(QueueSettings):
     max_connections: int = Field(2048, ge=1, description="connections and requests one gateway process serves at "
                                                          "once (uvicorn's limit_concurrency); more get 503")
     max_batch: int = Field(4096, gt=0, description="most calls in one batch request")
+    max_answer_mb: int = Field(512, gt=0, description="most output one request's answer may carry, summed over its "
+                               "calls (stdout and stderr at each call's output_bytes, a judged test's 12 KiB); a "
+                               "batch that could carry more is refused (422) before it runs")
     max_queued: int = Field(100_000, gt=0, description="calls waiting for a slot before new ones are overloaded")
     local_worker: bool = Field(True, description="with Redis: also run a worker (a slot pool) on this host")
     processes: int = Field(1, ge=1, le=256, description="gateway (uvicorn) processes; the host keeps one pool")

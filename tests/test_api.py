@@ -82,6 +82,24 @@ async def test_body_and_batch_caps(gateway: GatewayClient) -> None:
         assert r.status_code == 200 and len(queue.calls) == 64
 
 
+@pytest.mark.unit
+async def test_an_answer_that_could_outgrow_max_answer_mb_is_refused_before_its_calls_run(
+        gateway: GatewayClient) -> None:
+    """Output caps sum over a batch: 24 calls of 16 MiB on both streams could answer 768 MiB."""
+    queue = FakeQueue()
+    big = {"code": "print(1)", "limits": {"output_bytes": 16 << 20}}
+    async with gateway(queue=queue, max_answer_mb=256) as client:
+        for path in ("/v1/execute/batch", "/v1/execute/stream"):
+            r = await client.post(path, json={"requests": [big] * 24})
+            assert r.status_code == 422 and "768 MiB" in r.json()["detail"] and "max_answer_mb" in r.text, r.text
+        judged = {"code": "print(1)", "tests": [{"stdin": "", "expected_stdout": "1"}] * 1000}
+        r = await client.post("/v1/judge/batch", json={"requests": [judged] * 30})
+        assert r.status_code == 422 and "max_answer_mb" in r.text, r.text
+        assert not queue.calls
+        r = await client.post("/v1/execute/batch", json={"requests": [big] * 8})  # 256 MiB: fits
+        assert r.status_code == 200 and len(queue.calls) == 8
+
+
 @pytest.mark.jail
 async def test_health_ready_metrics_docs(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}

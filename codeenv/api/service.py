@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from codeenv.admission import check
+from codeenv.admission import answer_bytes, check
 from codeenv.api.contract import SESSION_KEY_PATHS
 from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
@@ -157,6 +157,15 @@ class Gateway:
                                             message=str(exc))
         return refused
 
+    def bound_answer(self, calls: list[ExecRequest]) -> None:
+        """ApiError 422 when the calls' answer could carry more output than max_answer_mb."""
+        most = self.settings.max_answer_mb << 20
+        total = sum(answer_bytes(call, self.settings) for call in calls)
+        if total > most:
+            raise ApiError(422, f"these {len(calls)} calls' answer could carry {total >> 20} MiB of output (stdout "
+                                f"and stderr at each call's output_bytes); the most is {most >> 20} MiB "
+                                "(max_answer_mb): ask less output_bytes, or send fewer calls at once")
+
     async def answer(self, request: Request, requests: list[ExecRequest]) -> list[ExecResult]:
         """One result per call, in order; a client that hangs up cancels its unstarted calls."""
         bind_owner(request, requests)
@@ -164,6 +173,7 @@ class Gateway:
             return []
         refused = self.admit(requests)
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
+        self.bound_answer(valid)
         self.metrics.in_flight.inc(len(requests))
         started = request.scope.get(ACCEPTED, time.monotonic())
         gone = asyncio.Event()
@@ -204,6 +214,7 @@ class Gateway:
                 if item is not None:
                     refused[index] = item
             valid = [call for call, item in zip(valid, more, strict=True) if item is None]
+        self.bound_answer(valid)
         gone = asyncio.Event()
         indices = [i for i, item in enumerate(refused) if item is None]
         started = request.scope.get(ACCEPTED, time.monotonic())

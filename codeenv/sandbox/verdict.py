@@ -19,6 +19,7 @@ from typing import Any
 
 from codeenv.compare import same_output, same_value
 from codeenv.models import (
+    RETURNED_BYTES,
     ErrorInfo,
     ExecResult,
     JudgeSpec,
@@ -32,8 +33,6 @@ from codeenv.models import (
 )
 from codeenv.sandbox.zygote_proc import Outcome, TestOutcome
 
-#: Bytes of each stream (and of a returned value) a test's result carries; the comparison sees all.
-RETURNED_BYTES = 4096
 #: How deep a returned value may nest and still come back as itself: JSON parsers on its way
 #: (pydantic's among them, at about 200 levels) refuse deeper values, which must not turn a
 #: program's result into a service fault.
