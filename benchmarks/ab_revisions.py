@@ -1,5 +1,6 @@
 """Two revisions of codeenv, A and B, measured in one run with their turns alternating: the engine
-(`benchmarks/engine.py`), the gateway (`benchmarks/gateway.py`) and `codeenv bench`'s math workload.
+(`benchmarks/engine.py`), the gateway (`benchmarks/gateway.py`), the judge (`benchmarks/judge.py`),
+session cells (`benchmarks/sessions.py trajectory --engine`) and `codeenv bench`'s math workload.
 Engine and gateway figures are ratios per round (> 1: B is better), then their median and spread
 (min to max); the math workload is one `codeenv bench --compare` run (its rounds alternate A B, B A)
 whose pooled throughput and p50 latency are compared.
@@ -7,7 +8,7 @@ whose pooled throughput and p50 latency are compared.
     python benchmarks/ab_revisions.py REV_A REV_B [--rounds 5] [--json out.json]
 
 Each revision is checked out in a worktree of its own and run with this environment's packages
-(`PYTHONPATH` puts its code first), with its own copy of each benchmark script. Takes about 3
+(`PYTHONPATH` puts its code first), with its own copy of each benchmark script. Takes about 5
 minutes per round on 2 cores.
 """
 
@@ -28,13 +29,22 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 #: The figures compared, from each script's JSON: (script, path in its "figures", higher is better).
 FIGURES = {
-    "engine print(1)/s": ("engine", ("codeenv", "print_per_s"), True),
-    "engine sympy/s": ("engine", ("codeenv", "sympy_per_s"), True),
-    "engine p50 ms": ("engine", ("codeenv", "p50_ms"), False),
-    "engine first line ms": ("engine", ("codeenv", "first_line_ms"), False),
-    "gateway HTTP calls/s": ("gateway", ("http_per_s",), True),
-    "gateway Redis calls/s": ("gateway", ("redis_per_s",), True),
-    "gateway HTTP p50 ms": ("gateway", ("http_p50_ms",), False),
+    "engine print(1)/s": ("engine", ("figures", "codeenv", "print_per_s"), True),
+    "engine sympy/s": ("engine", ("figures", "codeenv", "sympy_per_s"), True),
+    "engine p50 ms": ("engine", ("figures", "codeenv", "p50_ms"), False),
+    "engine first line ms": ("engine", ("figures", "codeenv", "first_line_ms"), False),
+    "gateway HTTP calls/s": ("gateway", ("figures", "http_per_s"), True),
+    "gateway Redis calls/s": ("gateway", ("figures", "redis_per_s"), True),
+    "gateway HTTP p50 ms": ("gateway", ("figures", "http_p50_ms"), False),
+    "judge submissions/s": ("judge", ("figures", "judge_submissions_per_s"), True),
+    "session 16-cell trajectories s": ("sessions", ("rounds", 0, "session_s"), False),
+}
+#: Each script's arguments for one round.
+SCRIPTS = {
+    "engine": ["--rounds", "1"],
+    "gateway": ["--rounds", "1"],
+    "judge": ["--rounds", "1", "--submissions", "20", "--tests", "20"],
+    "sessions": ["trajectory", "--engine", "--rounds", "1"],
 }
 
 
@@ -47,17 +57,17 @@ def worktree(rev: str, into: Path) -> Path:
 
 def run_script(tree: Path, script: str, out: Path) -> dict[str, object]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    subprocess.run([sys.executable, str(tree / "benchmarks" / f"{script}.py"), "--rounds", "1", "--json", str(out)],
+    subprocess.run([sys.executable, str(tree / "benchmarks" / f"{script}.py"), *SCRIPTS[script], "--json", str(out)],
                    check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
-    figures: dict[str, object] = json.loads(out.read_text())["figures"]
-    return figures
+    report: dict[str, object] = json.loads(out.read_text())
+    return report
 
 
-def pick(figures: dict[str, object], path: tuple[str, ...]) -> float:
+def pick(figures: dict[str, object], path: tuple[str | int, ...]) -> float:
     value: object = figures
     for key in path:
-        assert isinstance(value, dict)
-        value = value[key]
+        assert isinstance(value, dict) if isinstance(key, str) else isinstance(value, list)
+        value = value[key]  # type: ignore[index]
     assert isinstance(value, int | float)
     return float(value)
 
@@ -101,7 +111,7 @@ def main() -> None:
             for n in range(args.rounds):
                 order = ("a", "b") if n % 2 == 0 else ("b", "a")
                 got: dict[str, dict[str, float]] = {"a": {}, "b": {}}
-                for script in ("engine", "gateway"):
+                for script in SCRIPTS:
                     for side in order:
                         figures = run_script(trees[side], script, Path(tmp) / f"{side}-{script}.json")
                         for name, (source, path, _) in FIGURES.items():
