@@ -32,10 +32,11 @@ from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
 from codeenv.judge import judge
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
-from codeenv.sandbox import zygote as zygote_module
+from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
+from codeenv.sandbox.jail import JAIL_PACKAGE
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
@@ -212,8 +213,7 @@ class SlotPool:
         zygote_dir.mkdir(parents=True, exist_ok=True)
         for d in (settings.state_dir, settings.runtime_dir, self._runtime, zygote_dir):
             os.chmod(d, 0o755)
-        shutil.copyfile(zygote_module.__file__, zygote_dir / "zygote.py")
-        os.chmod(zygote_dir / "zygote.py", 0o644)
+        _copy_jail_package(zygote_dir / JAIL_PACKAGE)
         _check_traversable(self.image.root)
         _check_traversable(zygote_dir)
         for i in range(slots):
@@ -540,6 +540,16 @@ def _remove_stale_runtime(runtime_dir: Path) -> None:
         pid = d.name.split("-")[1]
         if pid.isdigit() and not owner_alive(int(pid), d):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy_jail_package(target: Path) -> None:
+    """The in-jail package (sandbox/inside/, standard library only) as the jails mount it: sources
+    only, readable by the jails' uids."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(Path(inside.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    os.chmod(target, 0o755)
+    for path in target.iterdir():
+        os.chmod(path, 0o644)
 
 
 def _check_traversable(path: Path) -> None:

@@ -48,11 +48,11 @@ from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Status,
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
+from codeenv.sandbox.inside.protocol import MAX_MSG, REPORT_BYTES
 from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
 from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
 from codeenv.sandbox.zygote_proc import (
     Exited,
     Outcome,

@@ -29,9 +29,9 @@ from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.models import LimitValues
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
+from codeenv.sandbox.inside.protocol import FETCH_DATA_AT, MAX_MSG, REPORT_BYTES, CallFd, frame, read_frame
 from codeenv.sandbox.jail import WORKDIR, config_text, jail_config
 from codeenv.sandbox.sizing import socket_memory_limit
-from codeenv.sandbox.zygote import FETCH_DATA_AT, MAX_MSG, REPORT_BYTES, CallFd, frame, read_frame
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Exited:
                    cpu_s=number("cpu_s", float, 0.0), maxrss_kb=number("maxrss_kb", int, None),
                    timed_out=msg.get("timed_out") is True, killed=msg.get("killed") is True,
                    refused=str(refused)[:500] if refused is not None else None,
-                   ready=msg.get("ready") is True, clean=msg.get("clean") is True, spare=msg.get("spare") is True)
+                   ready=msg.get("also_ready") is True, clean=msg.get("clean") is True, spare=msg.get("spare") is True)
 
 
 @dataclass
