@@ -334,6 +334,17 @@ def _normalise_modes(root: Path) -> None:
     os.chmod(root, 0o755)
 
 
+def _add_mount_points(root: Path, spec: ImageSpec) -> None:
+    """What the jail mounts over, /tmp and /dev/shm (both the work dir), and a synthetic /etc."""
+    for d in MOUNT_POINTS_DIRS:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for f in MOUNT_POINTS_FILES:
+        (root / f).touch()
+    (root / "tmp").symlink_to("work")
+    (root / "dev" / "shm").symlink_to("../work")
+    _write_etc(root, spec)
+
+
 def build_image(
     spec: ImageSpec, digest: str, images_dir: Path, python: str | None = None,
     progress: Progress | None = None,
@@ -381,13 +392,7 @@ def build_image(
             if dep.startswith(str(build)) or "libpython" in Path(dep).name:
                 continue
             _copy_host_file(dep, root)
-        for d in MOUNT_POINTS_DIRS:
-            (root / d).mkdir(parents=True, exist_ok=True)
-        for f in MOUNT_POINTS_FILES:
-            (root / f).touch()
-        (root / "tmp").symlink_to("work")
-        (root / "dev" / "shm").symlink_to("../work")
-        _write_etc(root, spec)
+        _add_mount_points(root, spec)
 
         say("byte-compiling")
         out = subprocess.run(

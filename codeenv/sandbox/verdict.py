@@ -12,7 +12,7 @@ import signal as signals
 from typing import Any
 
 from codeenv.models import ErrorInfo, ExecResult, LimitName, LimitValues, Status, printable
-from codeenv.sandbox.zygote_proc import Outcome
+from codeenv.sandbox.outside.call_io import Outcome
 
 
 def error_info(report: dict[str, Any] | None) -> ErrorInfo | None:

@@ -252,7 +252,7 @@ def in_child(name: str, work: Callable[[], object], timeout_s: float) -> bool:
 
 
 #: What `wait_child` returns: the child ended, the deadline passed, or a handler said stop.
-ENDED, TIMED_OUT, STOPPED = "ended", "timed out", "stopped"
+ENDED, TIMED_OUT, STOPPED = "child ended", "timed out", "stopped"
 
 
 def wait_child(pidfd: int | None, deadline: float, handlers: dict[int, Callable[[], bool]]) -> str:

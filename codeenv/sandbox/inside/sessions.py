@@ -28,7 +28,7 @@ import sys
 import time
 
 from . import child, proc, workdir
-from .protocol import MAX_MSG, ONE_FD, SETUP_FAILED, CallFd, Cell, CellFd, Ctl, Family, Session, decode, encode
+from .protocol import MAX_FDS, MAX_MSG, ONE_FD, SETUP_FAILED, CallFd, Cell, CellFd, Ctl, Family, Session, decode, encode
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -655,7 +655,7 @@ def serve_sessions(ctl: socket.socket, pre: child.Preloaded, cleanup_timeout_s: 
         if not ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 16)
+            data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, MAX_FDS)
         except OSError as exc:
             proc.log("control socket failed:", exc)
             os._exit(1)
