@@ -14,9 +14,9 @@ from codeenv.admission import resolve_limits
 from codeenv.errors import ImageError
 from codeenv.sandbox.image import Profile, content_hash, find_spec
 from codeenv.sandbox.inside.protocol import frame, unframe
+from codeenv.sandbox.outside.call_io import Exited, Outcome
 from codeenv.sandbox.routing import choose_profile, imported_modules
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote_proc import Exited, Outcome
 from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
 
 pytestmark = pytest.mark.unit
