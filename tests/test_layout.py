@@ -184,6 +184,40 @@ def test_op_names_are_written_only_in_the_protocol_module() -> None:
     assert literals == []
 
 
+def _fd_literals(tree: ast.AST) -> list[int]:
+    """Lines that pick a message's fd by a number (`fds[6]`, past the first) or count its fds by one
+    (`len(fds) == 7`) instead of naming the position (protocol.CallFd, CellFd, ONE_FD)."""
+    def is_fds(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.endswith("fds")
+
+    def is_number(node: ast.expr) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and is_fds(node.value):
+            index = node.slice
+            past_first = isinstance(index, ast.Constant) and type(index.value) is int and index.value != 0
+            if past_first or (isinstance(index, ast.Slice)
+                              and any(is_number(b) for b in (index.lower, index.upper) if b)):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and node.left.args \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "len" and is_fds(node.left.args[0]) \
+                and any(is_number(c) for c in node.comparators):
+            found.append(node.lineno)
+    return found
+
+
+def test_fd_positions_are_named_only_in_the_protocol_module() -> None:
+    literals = []
+    for path in _speakers():
+        literals += [f"{path.relative_to(ROOT.parent)}:{line}" for line in
+                     _fd_literals(ast.parse(path.read_text(encoding="utf-8")))]
+    assert literals == []
+    assert _fd_literals(ast.parse("x = fds[6]\nif len(msg_fds) != 7: pass\ny = call.fds[:6]\nz = fds[0]")) == [1, 2, 3]
+
+
 def test_the_op_finder_finds_op_literals(tmp_path: Path) -> None:
     from codeenv.sandbox.inside.protocol import OPS
 
