@@ -8,13 +8,14 @@ SETUP_FAILED, so the worker tells our failure from the program's.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
 import sys
 
 from . import workdir
-from .proc import hard_exit
+from .proc import hard_exit, keep_only
 from .protocol import JUDGE_FUNCTION_SINGLE, REPORT_BYTES, SETUP_FAILED, CallFd, frame
 
 TYPE_CHECKING = False
@@ -152,8 +153,6 @@ class Setup:
 
     def keep_only(self, *extra: int) -> None:
         """Every fd above 2 goes (the control socket included) but the setup memfd and `extra`."""
-        from .proc import keep_only
-
         keep_only({0, 1, 2, self.setup_fd, *extra})
 
     def limit(self, msg: dict[str, Any], cpu_slack: int) -> None:
@@ -337,8 +336,6 @@ def run(program: Callable[[], None], report: mmap.mmap | None, filename: str = F
 
 def run_call(fds: list[int], limits: dict[str, Any], pre: Preloaded, main: types.ModuleType | None) -> None:
     """A call's child (`main`: as a spare prepared it); never returns."""
-    import json
-
     fn_name: str | None = None
     args: Any = None
     stdin_fd = None

@@ -33,6 +33,28 @@ F_ADD_SEALS = 1033
 
 
 
+def _number(msg: dict[str, Any], key: str, kind: type[int] | type[float], default: Any) -> Any:
+    """Field `key` of a message from the jail as `kind` (`default` if absent); ValueError if it is
+    not a number."""
+    value = msg.get(key, default)
+    if value is default or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value if value is default else kind(value)
+    raise ValueError(f"{msg.get('op', 'a message')!r} has a bad {key}: {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The zygote's "ready" (or the same carried by an "exited"): the call's traces are wiped
+    (`clean`: as it believes; the worker checks from outside), and whether a spare child now waits."""
+
+    clean: bool = False
+    spare: bool = False
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> Ready:
+        return cls(clean=msg.get("clean") is True, spare=msg.get("spare") is True)
+
+
 @dataclass(frozen=True, slots=True)
 class Exited:
     """The zygote's "exited" message: every process of the call is gone. It comes out of the jail,
@@ -45,24 +67,44 @@ class Exited:
     timed_out: bool = False  # the zygote's own timer ended the call
     killed: bool = False  # the worker asked the zygote to stop it
     refused: str | None = None  # the zygote refused the call (it never started)
-    ready: bool = False  # also "ready": the traces are wiped already
-    clean: bool = False
-    spare: bool = False
+    ready: Ready | None = None  # it said "ready" too: the traces are wiped already
+
+    @property
+    def clean(self) -> bool:
+        """Its traces were wiped by the time it was reported."""
+        return self.ready is not None and self.ready.clean
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Exited:
-        def number(key: str, kind: type[int] | type[float], default: Any) -> Any:
-            value = msg.get(key, default)
-            if value is default or (isinstance(value, int | float) and not isinstance(value, bool)):
-                return value if value is default else kind(value)
-            raise ValueError(f"'exited' has a bad {key}: {value!r}")
-
         refused = msg.get("refused")
-        return cls(wait_status=number("wait_status", int, 0), wall_s=number("wall_s", float, 0.0),
-                   cpu_s=number("cpu_s", float, 0.0), maxrss_kb=number("maxrss_kb", int, None),
+        return cls(wait_status=_number(msg, "wait_status", int, 0), wall_s=_number(msg, "wall_s", float, 0.0),
+                   cpu_s=_number(msg, "cpu_s", float, 0.0), maxrss_kb=_number(msg, "maxrss_kb", int, None),
                    timed_out=msg.get("timed_out") is True, killed=msg.get("killed") is True,
                    refused=str(refused)[:500] if refused is not None else None,
-                   ready=msg.get("also_ready") is True, clean=msg.get("clean") is True, spare=msg.get("spare") is True)
+                   ready=Ready.parse(msg) if msg.get("also_ready") is True else None)
+
+
+@dataclass(frozen=True, slots=True)
+class TestDone:
+    """A judged test's "done", from the submission's process: its own account of the test (which may
+    have run the submission's code), checked like any input from the jail."""
+
+    __test__ = False  # not a pytest test class
+
+    wait_status: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    maxrss_kb: int | None = None
+    timed_out: bool = False
+    killed: bool = False
+    clean: bool = False  # the work dir is as before the test
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> TestDone:
+        return cls(wait_status=_number(msg, "wait_status", int, 0), wall_s=_number(msg, "wall_s", float, 0.0),
+                   cpu_s=_number(msg, "cpu_s", float, 0.0), maxrss_kb=_number(msg, "maxrss_kb", int, None),
+                   timed_out=msg.get("timed_out") is True, killed=msg.get("killed") is True,
+                   clean=msg.get("clean") is True)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from codeenv.errors import ZygoteDied
 from codeenv.models import LimitValues
 from codeenv.sandbox.inside.protocol import FETCH_DATA_AT, JUDGE_FUNCTION_SINGLE, REPORT_BYTES, Ctl
 from codeenv.sandbox.jail import WORKDIR
-from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, collect, read_fetched, started_mark
+from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, Ready, collect, read_fetched, started_mark
 from codeenv.sandbox.outside.process import JailProcess, write_oom_score
 from codeenv.sandbox.outside.submission import Submission, prepare
 
@@ -35,7 +35,7 @@ class CallJail(JailProcess):
         self._pids_max = -1
         self._seq = 0
         self._events: tuple[int, int] | None = None
-        self._ready: Exited | None = None
+        self._ready: Ready | None = None
         self._workdir_fd: int | None = None
         self.lock = asyncio.Lock()
         #: From taking a call until its traces are verified gone; nobody else may talk to it then.
@@ -208,7 +208,7 @@ class CallJail(JailProcess):
             raise
         out.exited = exited
         out.started = exited.refused is None
-        self._ready = exited if exited.ready else None
+        self._ready = exited.ready
 
     @property
     def ready_now(self) -> bool:
@@ -226,9 +226,9 @@ class CallJail(JailProcess):
         if ready is None:
             try:
                 msg = await self.expect(Ctl.READY, self.settings.cleanup_timeout_s + self.settings.control_timeout_s)
-                ready = Exited.parse(msg)
-            except (ZygoteDied, TimeoutError, ValueError) as exc:
+            except (ZygoteDied, TimeoutError) as exc:
                 return f"no ready signal after the call: {exc!r}"
+            ready = Ready.parse(msg)
         return self._verify(ready)
 
     def finish_now(self) -> str | None:
@@ -237,7 +237,7 @@ class CallJail(JailProcess):
         assert ready is not None
         return "the zygote is gone" if self.dead else self._verify(ready)
 
-    def _verify(self, ready: Exited) -> str | None:
+    def _verify(self, ready: Ready) -> str | None:
         if not ready.clean:
             return "the zygote could not wipe the work dir"
         pids = self.cgroup.pids_current()

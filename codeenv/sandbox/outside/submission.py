@@ -24,6 +24,7 @@ from codeenv.sandbox.outside.call_io import (
     Exited,
     Outcome,
     SharedFds,
+    TestDone,
     read_report,
     receive,
     take_report,
@@ -58,7 +59,7 @@ class TestOutcome:
 
     __test__ = False  # not a pytest test class
 
-    done: Exited | None = None  # the submission process's "done" for it (its own account)
+    done: TestDone | Exited | None = None  # its "done" (or, run alone as a plain call, its "exited")
     stdout: bytes = b""
     stderr: bytes = b""
     output_overflow: bool = False
@@ -168,7 +169,7 @@ class Submission:
             out.wall_s = time.monotonic() - t0
             if msg is not None and msg.get("op") == Judge.DONE:
                 try:
-                    out.done = Exited.parse(msg)
+                    out.done = TestDone.parse(msg)
                 except ValueError:
                     self.lost = out.lost = "the submission's process sent a malformed message"
             with contextlib.suppress(TimeoutError):
