@@ -4,8 +4,8 @@ A session lives in a *family* (the session and its forks). Each family is a fork
 session zygote, in a session jail (`jail.session_jail_config`): PID 1 of its own pid, mount, network
 and IPC namespaces, with its own host uid, its own work dir (a tmpfs only it can see) and its own
 cgroup (memory, pids, CPU), set up before any of its code runs (see sandbox/inside/sessions.py;
-the family's socket is outside/families.py). So one family cannot see, signal, trace, read, connect to or leave anything for another,
-nor for a call: calls run in other jails, under other uids.
+the family's socket is outside/families.py). So one family cannot see, signal, trace, read, connect
+to or leave anything for another, nor for a call: calls run in other jails, under other uids.
 
 The worker owns every limit and lifetime: per-cell limits (the family's cgroup, its CPU clock read
 here, the supervisor's wall clock with this worker's behind it), a per-family memory and pids cap,
