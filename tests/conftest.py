@@ -23,7 +23,7 @@ from codeenv.api import create_app
 from codeenv.bench.services import Service, ServiceError, free_port, start_codeenv, start_redis
 from codeenv.queue.embedded import EmbeddedQueue
 from codeenv.queue.redis import RedisQueue
-from codeenv.sandbox.zygote_proc import ZygoteProcess
+from codeenv.sandbox.outside.calls import CallJail
 from codeenv.settings import GatewaySettings
 from codeenv.worker import StreamWorker
 
@@ -105,7 +105,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30)
 RUNNING_THEN_SLEEP = "open('running', 'w').close()\nimport time\ntime.sleep(60)"
 
 
-async def wait_until_running(zygote: ZygoteProcess) -> None:
+async def wait_until_running(zygote: CallJail) -> None:
     """Until the call started with RUNNING_THEN_SLEEP has created its file (seen from outside)."""
     for _ in range(4000):
         if zygote._workdir_usage() != zygote.baseline_workdir:

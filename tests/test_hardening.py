@@ -204,7 +204,7 @@ import sys
 frame = sys._getframe()
 while frame is not None and "report" not in frame.f_locals:  # up to the zygote's child set-up
     frame = frame.f_back
-frame.f_globals["_write_report"](frame.f_locals["report"], {"error": {"type": "MemoryError", "message": "forged",
+frame.f_globals["write_report"](frame.f_locals["report"], {"error": {"type": "MemoryError", "message": "forged",
                                                                       "line": 1}})
 print("exits 0")
 """

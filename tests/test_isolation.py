@@ -40,7 +40,7 @@ async def test_root_listing_is_the_image(run: Runner) -> None:
 async def test_cannot_write_outside_the_work_dir(run: Runner) -> None:
     code = (
         "for p in ['/x', '/etc/passwd', '/usr/local/lib/python3.12/os.py', '/proc/sys/kernel/hostname',\n"
-        "          '/lib64/ld-linux-x86-64.so.2', '/usr/lib/codeenv/zygote.py']:\n"
+        "          '/lib64/ld-linux-x86-64.so.2', '/usr/lib/codeenv/codeenv_inside/calls.py']:\n"
         "    try:\n"
         "        open(p, 'a').write('x'); print('WROTE', p)\n"
         "    except OSError as e:\n"

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings, SlotPool
+from codeenv.admission import judge_call
 from codeenv.errors import ImageError, PoolClosed
+from codeenv.models import JudgeRequest, JudgeResult
+from codeenv.sandbox.inside.protocol import GO_TIMEOUT_S
 from tests.conftest import RUNNING_THEN_SLEEP, Runner, wait_until_running
 
 
@@ -112,6 +116,20 @@ async def test_without_preforking(state_dir: Path) -> None:
         r = await p.run(ExecRequest(code="import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))"))
         assert len(eval(r.stdout)) == 2  # the zygote and this call: no spare waiting
         assert p.restarts == 0
+
+
+@pytest.mark.jail
+async def test_a_judged_call_without_a_spare_child(state_dir: Path) -> None:
+    """A judged call's child forked on demand gets its "go" while the worker waits on the judge
+    channel (it once waited there until the zygote gave up on the "go", 10 s, and failed)."""
+    settings = SandboxSettings(slots=1, prefork=False)
+    async with SlotPool(settings) as p:
+        request = JudgeRequest.model_validate({"code": "print(int(input()) * 2)", "tests": [
+            {"stdin": "2", "expected_stdout": "4"}, {"stdin": "3", "expected_stdout": "6"}]})
+        t0 = time.monotonic()
+        result = JudgeResult.from_call(await p.run(judge_call(request, settings)))
+        assert (result.status, [t.status for t in result.tests]) == ("passed", ["passed", "passed"])
+        assert time.monotonic() - t0 < GO_TIMEOUT_S / 2
 
 
 @pytest.mark.jail

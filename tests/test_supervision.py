@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
-from codeenv.sandbox.zygote_proc import ZygoteProcess
+from codeenv.sandbox.outside.calls import CallJail
 from tests.conftest import RUNNING_THEN_SLEEP, wait_until_running
 
 pytestmark = pytest.mark.jail
@@ -24,7 +24,7 @@ async def small_pool() -> AsyncIterator[SlotPool]:
         yield pool
 
 
-def light(pool: SlotPool) -> ZygoteProcess:
+def light(pool: SlotPool) -> CallJail:
     return pool.slots[0].zygotes["light"]
 
 

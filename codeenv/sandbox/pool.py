@@ -31,12 +31,14 @@ from pathlib import Path
 from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
 from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
-from codeenv.sandbox import zygote as zygote_module
+from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
-from codeenv.sandbox.jail import check_traversable, nsjail_binary
+from codeenv.sandbox.jail import JAIL_PACKAGE, check_traversable, nsjail_binary
 from codeenv.sandbox.judge import judge
+from codeenv.sandbox.outside.call_io import Outcome
+from codeenv.sandbox.outside.calls import CallJail
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
@@ -52,7 +54,6 @@ from codeenv.sandbox.uids import (
     uids_needed,
 )
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote_proc import ZygoteProcess
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ MAX_DISPATCH = 3
 class Slot:
     """One concurrency unit: an unprivileged uid and a zygote per profile."""
 
-    def __init__(self, index: int, zygotes: dict[str, ZygoteProcess], worker: str) -> None:
+    def __init__(self, index: int, zygotes: dict[str, CallJail], worker: str) -> None:
         self.index = index
         self.zygotes = zygotes
         self.worker = f"{worker}/slot{index}"
@@ -79,7 +80,7 @@ class Slot:
     async def stop(self) -> None:
         await asyncio.gather(*(z.stop() for z in self.zygotes.values()))
 
-    async def recycle(self, zygote: ZygoteProcess, reason: str) -> None:
+    async def recycle(self, zygote: CallJail, reason: str) -> None:
         logger.warning("recycling %s (%s): %s", self.worker, zygote.profile.name, reason)
         self.restarts += 1
         await zygote.stop()
@@ -214,13 +215,12 @@ class SlotPool:
         zygote_dir.mkdir(parents=True, exist_ok=True)
         for d in (settings.state_dir, settings.runtime_dir, self._runtime, zygote_dir):
             os.chmod(d, 0o755)
-        shutil.copyfile(zygote_module.__file__, zygote_dir / "zygote.py")
-        os.chmod(zygote_dir / "zygote.py", 0o644)
+        _copy_jail_package(zygote_dir / JAIL_PACKAGE)
         check_traversable(self.image.root)
         check_traversable(zygote_dir)
         for i in range(slots):
             zygotes = {
-                profile.name: ZygoteProcess(
+                profile.name: CallJail(
                     settings, self.image, profile, self.uid_base + i,
                     self._tree.group(f"slot{i}-{profile.name}"), nsjail, self._runtime, zygote_dir,
                 )
@@ -338,28 +338,19 @@ class SlotPool:
         if not self._open:
             raise PoolClosed("the slot pool is not running")
         if request.session is not None:
-            assert self.sessions is not None
-            if on_dispatch is not None:
-                on_dispatch()
-            return await self.sessions.execute(request, time.monotonic() if accepted_at is None else accepted_at)
+            return await self._cell(request, on_dispatch, accepted_at)
         code, stdin, limits, profile = self.resolve(request)
         files = decoded_files(request, self.settings) if request.files else None
         fetch = list(dict.fromkeys(request.fetch_files)) or None
         # The queue wait (and the deadline) count from when the call was accepted upstream.
         queued = time.monotonic() if accepted_at is None else accepted_at
         for attempt in range(1, MAX_DISPATCH + 1):
-            if request.deadline_s is None:
-                slot = await self._free.acquire(slot_index)
-            else:
-                remaining = request.deadline_s - (time.monotonic() - queued)
-                try:
-                    async with asyncio.timeout(max(0.0, remaining)):
-                        slot = await self._free.acquire(slot_index)
-                except TimeoutError:
-                    return self._finish(request, ExecResult(
-                        status=Status.overloaded, started=False,
-                        message=f"no slot became free within the deadline of {request.deadline_s:g}s; not run",
-                    ), None, profile, time.monotonic() - queued)
+            slot = await self._acquire(request, slot_index, queued)
+            if slot is None:
+                return self._finish(request, ExecResult(
+                    status=Status.overloaded, started=False,
+                    message=f"no slot became free within the deadline of {request.deadline_s:g}s; not run",
+                ), None, profile, time.monotonic() - queued)
             queue_s = time.monotonic() - queued
             if on_dispatch is not None:
                 on_dispatch()
@@ -414,26 +405,39 @@ class SlotPool:
                 self._release_checked(slot, zygote, problem)
                 return self._finish(request, self._judged(judged, time.monotonic() - queued - queue_s), slot,
                                     profile, queue_s)
-            result = classify(outcome, limits)
-            if fetch is not None:
-                result.files = {p: base64.b64encode(d).decode() for p, d in (outcome.fetched or {}).items()}
-                result.file_errors = outcome.fetch_errors or ({} if outcome.fetched is not None else
-                                                              {p: "the call ended before its files could be read"
-                                                               for p in fetch})
             self._release(slot, zygote, None if outcome.exited is not None else "the call ended abnormally")
-            return self._finish(request, result, slot, profile, queue_s)
+            return self._finish(request, _call_result(outcome, limits, fetch), slot, profile, queue_s)
         return self._finish(request, ExecResult(
             status=Status.internal_error, started=False,
             message=f"no slot could start the call after {MAX_DISPATCH} attempts"), None, profile, 0.0)
 
-    async def _judge(self, slot: Slot, zygote: ZygoteProcess, code: bytes, request: ExecRequest,
+    async def _cell(self, request: ExecRequest, on_dispatch: Callable[[], None] | None,
+                    accepted_at: float | None) -> ExecResult:
+        """A session's cell: its session's family runs it, not a slot."""
+        assert self.sessions is not None
+        if on_dispatch is not None:
+            on_dispatch()
+        return await self.sessions.execute(request, time.monotonic() if accepted_at is None else accepted_at)
+
+    async def _acquire(self, request: ExecRequest, slot_index: int | None, queued: float) -> Slot | None:
+        """A free slot (`slot_index`, if given), or None once the call's deadline has passed."""
+        if request.deadline_s is None:
+            return await self._free.acquire(slot_index)
+        remaining = request.deadline_s - (time.monotonic() - queued)
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                return await self._free.acquire(slot_index)
+        except TimeoutError:
+            return None
+
+    async def _judge(self, slot: Slot, zygote: CallJail, code: bytes, request: ExecRequest,
                      limits: LimitValues) -> tuple[JudgeOutcome, str | None]:
         """Judge a submission in this slot: its tests one by one, the submission prepared once
         (again only after a test that ended its process). Returns why the jail must be recycled."""
         assert request.judge is not None
         _, total_wall_s = judge_limits(request, self.settings)
 
-        async def restart(reason: str) -> ZygoteProcess:
+        async def restart(reason: str) -> CallJail:
             await slot.recycle(zygote, reason)
             return zygote
 
@@ -444,20 +448,20 @@ class SlotPool:
         return ExecResult(status=Status.ok, started=True, judge=judged, wall_s=round(wall_s, 6),
                           cpu_s=round(sum(t.cpu_s for t in judged.tests), 6))
 
-    def _release_checked(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+    def _release_checked(self, slot: Slot, zygote: CallJail, problem: str | None) -> None:
         """Return a slot whose jail was checked already (None), or recycle it first."""
         if problem is None:
             self._give_back(slot, zygote)
         else:
             self._clean_up_later(slot, zygote, problem)
 
-    def _give_back(self, slot: Slot, zygote: ZygoteProcess) -> None:
+    def _give_back(self, slot: Slot, zygote: CallJail) -> None:
         """The slot is free again (its jail is as a call needs it)."""
         zygote.busy = False
         if self._open:
             self._free.release(slot)
 
-    def _clean_up_later(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+    def _clean_up_later(self, slot: Slot, zygote: CallJail, problem: str | None) -> None:
         task = asyncio.create_task(self._cleanup(slot, zygote, problem), name=f"{slot.worker}-cleanup")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -476,7 +480,7 @@ class SlotPool:
             self.calls_started += 1
         return result
 
-    def _release(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+    def _release(self, slot: Slot, zygote: CallJail, problem: str | None) -> None:
         """Return the slot to the pool once the call's traces are gone (in the background)."""
         if problem is None and zygote.ready_now and not zygote.lock.locked():
             # The common case: the call left nothing to wipe and the checks need no waiting.
@@ -489,7 +493,7 @@ class SlotPool:
                 return
         self._clean_up_later(slot, zygote, problem)
 
-    async def _cleanup(self, slot: Slot, zygote: ZygoteProcess, problem: str | None) -> None:
+    async def _cleanup(self, slot: Slot, zygote: CallJail, problem: str | None) -> None:
         try:
             async with zygote.lock:
                 reason = problem if problem is not None else await zygote.finish()
@@ -501,7 +505,7 @@ class SlotPool:
         finally:
             self._give_back(slot, zygote)
 
-    def _zygote_died(self, zygote: ZygoteProcess) -> None:
+    def _zygote_died(self, zygote: CallJail) -> None:
         """A zygote's control socket closed: replace it at once unless a call is handling that."""
         if not self._open or zygote.busy or zygote.lock.locked():
             return  # the call in progress sees the death and recycles the slot itself
@@ -510,7 +514,7 @@ class SlotPool:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _replace(self, slot: Slot, zygote: ZygoteProcess) -> None:
+    async def _replace(self, slot: Slot, zygote: CallJail) -> None:
         async with zygote.lock:
             if not zygote.dead:
                 return
@@ -545,6 +549,27 @@ def _remove_stale_runtime(runtime_dir: Path) -> None:
         pid = d.name.split("-")[1]
         if pid.isdigit() and not owner_alive(int(pid), d):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _call_result(outcome: Outcome, limits: LimitValues, fetch: list[str] | None) -> ExecResult:
+    """A plain call's result, with the files it was asked to fetch."""
+    result = classify(outcome, limits)
+    if fetch is not None:
+        result.files = {p: base64.b64encode(d).decode() for p, d in (outcome.fetched or {}).items()}
+        result.file_errors = outcome.fetch_errors or ({} if outcome.fetched is not None else
+                                                      {p: "the call ended before its files could be read"
+                                                       for p in fetch})
+    return result
+
+
+def _copy_jail_package(target: Path) -> None:
+    """The in-jail package (sandbox/inside/, standard library only) as the jails mount it: sources
+    only, readable by the jails' uids."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(Path(inside.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    os.chmod(target, 0o755)
+    for path in target.iterdir():
+        os.chmod(path, 0o644)
 
 
 def _sessions_max(settings: SandboxSettings, profiles: int, slots: int) -> int:

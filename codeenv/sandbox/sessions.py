@@ -3,9 +3,9 @@
 A session lives in a *family* (the session and its forks). Each family is a fork of its profile's
 session zygote, in a session jail (`jail.session_jail_config`): PID 1 of its own pid, mount, network
 and IPC namespaces, with its own host uid, its own work dir (a tmpfs only it can see) and its own
-cgroup (memory, pids, CPU), set up before any of its code runs (see the zygote's "sessions"
-section). So one family cannot see, signal, trace, read, connect to or leave anything for another,
-nor for a call: calls run in other jails, under other uids.
+cgroup (memory, pids, CPU), set up before any of its code runs (see sandbox/inside/sessions.py;
+the family's socket is outside/families.py). So one family cannot see, signal, trace, read, connect
+to or leave anything for another, nor for a call: calls run in other jails, under other uids.
 
 The worker owns every limit and lifetime: per-cell limits (the family's cgroup, its CPU clock read
 here, the supervisor's wall clock with this worker's behind it), a per-family memory and pids cap,
@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import hmac
 import itertools
-import json
 import logging
 import os
 import re
@@ -35,12 +34,10 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from nsjail import NsJailConfig
 
 from codeenv.admission import admit, resolve_limits
 from codeenv.errors import (
@@ -48,7 +45,6 @@ from codeenv.errors import (
     SandboxError,
     SessionError,
     SessionErrorKind,
-    ZygoteDied,
     session_lost,
     session_not_found,
 )
@@ -56,21 +52,14 @@ from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Refusal
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
-from codeenv.sandbox.jail import FAMILY_UID, family_filter_hex, session_jail_config
+from codeenv.sandbox.inside.protocol import REPORT_BYTES
+from codeenv.sandbox.jail import family_filter_hex
+from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, collect
+from codeenv.sandbox.outside.families import CellRun, FamilyChannel, SessionJail
+from codeenv.sandbox.outside.process import write_oom_score
 from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
-from codeenv.sandbox.zygote import MAX_MSG, REPORT_BYTES
-from codeenv.sandbox.zygote_proc import (
-    Exited,
-    Outcome,
-    ZygoteProcess,
-    _CallFiles,
-    _message,
-    collect,
-    receive,
-    write_oom_score,
-)
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
@@ -121,6 +110,10 @@ class Family:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_index: int = 1
     ended: str | None = None
+    channel: FamilyChannel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = FamilyChannel(self.sock)
 
     def move(self, pids: Iterable[int], to: JailCgroup) -> None:
         """Move processes of the family into `to`; SandboxError when the kernel refuses (a process
@@ -189,100 +182,6 @@ def _pidfd_pid(pidfd: int) -> int:
 def _mem_available() -> int:
     available = meminfo_bytes("MemAvailable")
     return 1 << 62 if available is None else available
-
-
-class SessionJail(ZygoteProcess):
-    """A jail whose zygote forks families of sessions of one profile (it runs no call)."""
-
-    def __init__(self, settings: SandboxSettings, image: Image, profile: Profile, root_uid: int, family_uid: int,
-                 families: int, cgroup: JailCgroup, nsjail: Path, runtime_dir: Path, zygote_dir: Path) -> None:
-        super().__init__(settings, image, profile, root_uid, cgroup, nsjail, runtime_dir, zygote_dir)
-        self.family_uid = family_uid
-        self.families = families
-        #: Held for each request to the zygote (create, end) until its reply.
-        self.create_lock = asyncio.Lock()
-
-    def jail_config(self, ctl_fd: int) -> NsJailConfig:
-        return session_jail_config(self.settings, self.image, self.profile, self.zygote_dir, self.host_uid,
-                                   self.family_uid, self.families, ctl_fd=ctl_fd)
-
-    async def _read_control(self) -> None:
-        """As a call jail's, but a message may carry a pidfd (a family's supervisor)."""
-        loop = asyncio.get_running_loop()
-        assert self.ctl is not None
-        ctl = self.ctl
-        closed: asyncio.Future[None] = loop.create_future()
-
-        def readable() -> None:
-            while not closed.done():
-                try:
-                    data, fds, _, _ = socket.recv_fds(ctl, MAX_MSG, 2)
-                except BlockingIOError:
-                    return
-                except OSError:
-                    data, fds = b"", []
-                msg = _message(data) if data else None
-                if msg is None:
-                    for fd in fds:
-                        os.close(fd)
-                    if data:
-                        logger.error("session jail %s sent a malformed message; recycling it", self.name)
-                    closed.set_result(None)
-                    return
-                if fds:
-                    msg["_fds"] = fds
-                self.inbox.put_nowait(msg)
-
-        loop.add_reader(ctl.fileno(), readable)
-        try:
-            await closed
-        except asyncio.CancelledError:
-            pass
-        finally:
-            loop.remove_reader(ctl.fileno())
-            self.dead = True
-            self.inbox.put_nowait(None)
-            if not self._stopping and self.on_death is not None:
-                self.on_death(self)
-
-    async def create(self, fid: int, uid_index: int) -> tuple[socket.socket, int]:
-        """Fork a family's supervisor: (its socket, a pidfd of it)."""
-        s = self.settings
-        async with self.create_lock:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            ours.setblocking(False)
-            try:
-                self._send({"op": "create", "fid": fid, "uid": FAMILY_UID + uid_index,
-                            "workdir_bytes": s.session_workdir_mb << 20, "workdir_inodes": s.workdir_inodes,
-                            "nofile": s.caps.open_files,
-                            "deny_filter": family_filter_hex(s)}, [theirs.fileno()])
-            except BaseException:
-                ours.close()
-                raise
-            finally:
-                theirs.close()
-            try:
-                msg = await self._expect("created", s.control_timeout_s)
-            except BaseException:
-                ours.close()
-                raise
-            fds = msg.pop("_fds", [])
-            if msg.get("fid") != fid or len(fds) != 1 or msg.get("error"):
-                for fd in fds:
-                    os.close(fd)
-                ours.close()
-                raise SandboxError(f"session jail {self.name} could not start a family: {msg.get('error', msg)}")
-            return ours, fds[0]
-
-    async def end(self, fid: int) -> None:
-        """Have the zygote kill and reap a family's supervisor (the kernel ends the rest of it)."""
-        async with self.create_lock:  # one request at a time: each waits for its own reply
-            with contextlib.suppress(ZygoteDied, TimeoutError):
-                self._send({"op": "end", "fid": fid})
-                while True:
-                    msg = await self._expect("ended", self.settings.control_timeout_s)
-                    if msg.get("fid") == fid:
-                        return
 
 
 class SessionManager:
@@ -525,7 +424,7 @@ class SessionManager:
         try:
             host_pid = _pidfd_pid(pidfd)
             family.move([host_pid], family.main)
-            await self._ask(family, {"op": "go"}, "ready", s.control_timeout_s + s.zygote_start_timeout_s / 10)
+            await self._ask(family, family.channel.go(s.control_timeout_s + s.zygote_start_timeout_s / 10))
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
             write_oom_score(host_pid, b"-1000")
@@ -537,21 +436,11 @@ class SessionManager:
             raise
         return family
 
-    async def _ask(self, family: Family, msg: dict[str, Any], reply: str, timeout: float) -> dict[str, Any]:
-        """Send the supervisor a message and wait for its reply (SessionError, ended, if it is gone)."""
-        loop = asyncio.get_running_loop()
+    async def _ask[T](self, family: Family, request: Awaitable[T]) -> T:
+        """A request to the family's supervisor (FamilyChannel) and its reply; SessionError 410 if
+        the supervisor is gone."""
         try:
-            await loop.sock_sendall(family.sock, json.dumps(msg).encode())
-            async with asyncio.timeout(timeout):
-                while True:
-                    data = await loop.sock_recv(family.sock, MAX_MSG)
-                    got = _message(data) if data else None
-                    if got is None:
-                        raise OSError("the family's supervisor is gone")
-                    if got.get("op") == reply:
-                        if reply == "ready" and got.get("ok") is not True:
-                            raise OSError("the family's first session did not start")
-                        return got
+            return await request
         except (OSError, TimeoutError) as exc:
             await self._end_family(family, "its processes were lost")
             raise SessionError(f"the session has ended: its processes were lost ({exc})",
@@ -602,8 +491,8 @@ class SessionManager:
             del family.sessions[session.index]
             self._forget(session, why)
             with contextlib.suppress(SessionError):
-                await self._ask(family, {"op": "close", "sid": session.index}, "closed",
-                                self.settings.control_timeout_s + self.settings.cleanup_timeout_s)
+                await self._ask(family, family.channel.close(
+                    session.index, self.settings.control_timeout_s + self.settings.cleanup_timeout_s))
 
     async def fork(self, session_id: str, owner: bytes = b"") -> Session:
         """A new session in the same family (and of the same owner), from this one's state (after its
@@ -622,9 +511,9 @@ class SessionManager:
                     raise session_lost(session_id, family.ended)
                 index = family.next_index
                 family.next_index += 1
-                got = await self._ask(family, {"op": "fork", "sid": session.index, "new_sid": index}, "forked",
-                                      s.control_timeout_s + s.cleanup_timeout_s)
-                if got.get("ok") is not True:
+                forked = await self._ask(family, family.channel.fork(session.index, index,
+                                                                     s.control_timeout_s + s.cleanup_timeout_s))
+                if not forked:
                     raise SessionError("the session could not be forked (its process is gone)", SessionErrorKind.ended)
                 child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
                                 session.idle_ttl_s, session.limits, cells=session.cells)
@@ -738,7 +627,6 @@ class SessionManager:
     async def _cell(self, session: Session, code: bytes, stdin: bytes, limits: LimitValues) -> ExecResult:
         family = session.family
         cg, cell = family.cgroup, family.cell
-        loop = asyncio.get_running_loop()
         out = Outcome(started=True)
         # The cell's process is forked in `main` (the fork's own pages are the family's) and moved to
         # `cell` once it exists (cell_started, below); `cell` is empty now. Its charges from earlier
@@ -750,61 +638,34 @@ class SessionManager:
         oom0, pids0, family_oom0 = cell.oom_kills(), cell.pids_limit_hits(), cg.oom_kills()
         cpu0 = cg.cpu_usage_ns()
         before = set(family.main.procs())  # the family's processes before the cell's
-        stopping = False
-        unconfined: str | None = None  # why a process of the cell could not be kept in `cell`
+        unconfined: list[str] = []  # why a process of the cell could not be kept in `cell`
 
-        def stop() -> None:
-            nonlocal stopping
-            if not stopping:
-                stopping = True
-                with contextlib.suppress(OSError):
-                    family.sock.send(b'{"op":"kill"}')
+        def started() -> None:
+            try:
+                pids = set(family.main.procs()) - before
+                family.move(pids, cell)
+                for pid in pids:  # over the family's cap too, the cell's go first
+                    write_oom_score(pid, b"1000")
+            except (SandboxError, OSError, ValueError) as exc:  # without its limits it must not run
+                unconfined.append(str(exc))
+                family.channel.kill()
 
         def overflow() -> None:
             out.output_overflow = True
-            stop()
+            family.channel.kill()
 
-        done: dict[str, Any] | None = None
-        cpu_exceeded = False
-        with _CallFiles(code, stdin, None, None, 0, REPORT_BYTES) as call:
+        with CallFiles(code, stdin, None, None, 0, REPORT_BYTES) as call:
             try:
-                msg = {"op": "cell", "sid": session.index, "seq": session.cells, "n": session.cells,
-                       "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
-                       "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files}
-                socket.send_fds(family.sock, [json.dumps(msg).encode()], call.theirs)
+                family.channel.send_cell(session.index, session.cells, limits, call)
             except OSError:
                 call.close_theirs()
                 await self._end_family(family, "its processes were lost")
                 raise session_lost(session.id, "its processes were lost") from None
             call.close_theirs()
             t0 = time.monotonic()
-            drains = call.drain(loop, limits.output_bytes, overflow)
+            drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
             budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
-            while done is None:
-                remaining = t0 + budget - time.monotonic()
-                data, why = await receive(family.sock, remaining, None if cpu_exceeded else int(limits.cpu_s * 1e9),
-                                          None if cpu_exceeded else cpu0, cg)
-                if why == "cpu":
-                    cpu_exceeded = True
-                    stop()
-                    continue
-                got = _message(data) if data else None
-                if why == "wall" or got is None:
-                    break
-                if got.get("op") == "cell_done":
-                    done = got
-                elif got.get("op") == "cell_over":  # rolled back: the pre-cell process may resume
-                    with contextlib.suppress(OSError):
-                        family.sock.send(b'{"op":"resume"}')
-                elif got.get("op") == "cell_started":
-                    try:
-                        started = set(family.main.procs()) - before
-                        family.move(started, cell)
-                        for pid in started:  # over the family's cap too, the cell's go first
-                            write_oom_score(pid, b"1000")
-                    except (SandboxError, OSError, ValueError) as exc:  # without its limits it must not run
-                        unconfined = str(exc)
-                        stop()
+            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started)
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
@@ -816,11 +677,18 @@ class SessionManager:
             try:  # a kept cell's process is the session now
                 family.move(cell.procs(), family.main)
             except SandboxError as exc:
-                unconfined = unconfined or str(exc)
+                unconfined.append(str(exc))
         cpu1 = None
         with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
             cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
+        return await self._cell_result(session, out, run, cpu_s, limits, unconfined[0] if unconfined else None)
+
+    async def _cell_result(self, session: Session, out: Outcome, run: CellRun, cpu_s: float, limits: LimitValues,
+                           unconfined: str | None) -> ExecResult:
+        """A cell's result from what was observed; a session that cannot go on ends here."""
+        family = session.family
+        done = run.done
         if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
             why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
             logger.error("session family %d: %s", family.fid, why)
@@ -828,7 +696,7 @@ class SessionManager:
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
             return result
-        if done is None or done.get("lost"):
+        if done is None or done.lost:
             why = "the cell outlived its limits and its session could not be rolled back" if done is None \
                 else "its process ended during the cell and there was nothing to roll back to"
             if done is None or len(family.sessions) <= 1:
@@ -839,24 +707,18 @@ class SessionManager:
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
             return result
-        kept = done.get("kept") is True
-        wait_status = done.get("wait_status")
-        exit_code = done.get("exit_code")
-        if kept:
-            wait_status = ((exit_code if isinstance(exit_code, int) else 0) & 0xFF) << 8
-        out.exited = Exited.parse({
-            "wait_status": wait_status if isinstance(wait_status, int) else 0, "wall_s": done.get("wall_s", out.wall_s),
-            "cpu_s": cpu_s, "timed_out": done.get("timed_out") is True, "killed": done.get("killed") is True})
-        if cpu_exceeded:
-            out.exited = Exited.parse({"wait_status": signal.SIGKILL, "wall_s": out.exited.wall_s,
-                                       "cpu_s": max(cpu_s, limits.cpu_s)})
+        wall_s = done.wall_s if done.wall_s is not None else out.wall_s
+        if run.cpu_exceeded:
+            out.exited = Exited(wait_status=signal.SIGKILL, wall_s=wall_s, cpu_s=max(cpu_s, limits.cpu_s))
+        else:
+            out.exited = Exited(wait_status=done.wait_status_as_kept, wall_s=wall_s, cpu_s=cpu_s,
+                                timed_out=done.timed_out, killed=done.killed)
         result = classify(out, limits)
-        if out.exited.killed and not out.output_overflow and not cpu_exceeded:
+        if out.exited.killed and not out.output_overflow and not run.cpu_exceeded:
             result.message = "the cell was stopped by the service"
-        result.rolled_back = not kept
-        if not kept:
-            written = done.get("written")
-            result.written_files = [printable(str(p)[:500]) for p in written[:100]] if isinstance(written, list) else []
+        result.rolled_back = not done.kept
+        if not done.kept:
+            result.written_files = [printable(p[:500]) for p in done.written]
         return result
 
     # --- views ----------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from codeenv.models import (
     TestStatus,
     printable,
 )
-from codeenv.sandbox.zygote_proc import Outcome, TestOutcome
+from codeenv.sandbox.outside.call_io import Outcome
+from codeenv.sandbox.outside.submission import TestOutcome
 
 #: How deep a returned value may nest and still come back as itself: JSON parsers on its way
 #: (pydantic's among them, at about 200 levels) refuse deeper values, which must not turn a

@@ -1,0 +1,193 @@
+"""A judged call's process: the submission compiled (and, for function-call tests, its top-level code
+run) once, then a child forked per test (the judge channel: see protocol.py).
+
+With function-call tests this process has run the submission's code: the worker believes nothing
+it says beyond what a program could say about itself, and measures and enforces limits from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+
+from . import child, proc
+from .protocol import JUDGE_FUNCTION, JUDGE_STDIN, CallFd, Judge
+from .workdir import Workdir
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    from typing import Any, NoReturn
+
+
+class Submission:
+    """The submission's process: its compiled code, its prepared __main__, how its tests run."""
+
+    def __init__(self, sock: socket.socket, main: types.ModuleType, compiled: types.CodeType, mode: str,
+                 fn_name: str | None, workdir: Workdir, cleanup_timeout_s: float) -> None:
+        self.sock = sock
+        self.main = main
+        self.compiled = compiled
+        self.mode = mode
+        self.fn_name = fn_name
+        self.workdir = workdir
+        self.cleanup_timeout_s = cleanup_timeout_s
+
+    def shareable(self) -> str | None:
+        """Why the state after the top-level code cannot be shared by forking (None if it can): a fork
+        keeps neither threads nor children, each test must find the work dir as it was, and no test
+        may leave anything for the next in memory or files the forks share."""
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = sys.modules["threading"].active_count() if "threading" in sys.modules else 1
+        if threads > 1:
+            return "its top-level code left threads running"
+        try:
+            if os.waitpid(-1, os.WNOHANG) is not None:
+                return "its top-level code left processes running"
+        except ChildProcessError:
+            pass
+        if not self.workdir.untouched():
+            return "its top-level code changed the work dir"
+        shared = _shared_with_forks({0, 1, 2, self.sock.fileno()})
+        if shared is not None:
+            return f"its top-level code left {shared}, which tests would share"
+        return None
+
+    def serve(self) -> NoReturn:
+        """Fork a child per test the worker sends; answer "done" once every process of it is gone and
+        the work dir is as it was (never returns)."""
+        while True:
+            msg, fds = proc.next_request(self.sock)  # none: the worker is done with this submission
+            if msg.get("op") != Judge.TEST or len(fds) != CallFd.PLAIN:
+                proc.close_all(fds)
+                continue
+            proc.send(self.sock, self.test(msg, fds))
+
+    def test(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+
+        def body() -> None:
+            self.sock.close()
+            self.test_child(fds, msg)
+
+        pid = proc.spawn(body)
+        proc.close_all(fds)
+        pidfd = os.pidfd_open(pid)
+        killed = False
+
+        def on_message() -> bool:
+            nonlocal killed
+            if proc.recv_or_exit(self.sock).get("op") == Judge.KILL:
+                killed = True
+                os.kill(-1, signal.SIGKILL)
+            return False
+
+        waited = proc.wait_child(pidfd, t0 + msg["wall_s"], {self.sock.fileno(): on_message})
+        wall = time.monotonic() - t0
+        if waited != proc.ENDED:
+            os.kill(-1, signal.SIGKILL)
+        _, status, usage = os.wait4(pid, 0)
+        os.close(pidfd)
+        proc.kill_all()  # what the test left behind (orphans come to us: we are their subreaper)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        clean = self.workdir.clean(self.cleanup_timeout_s)
+        self.workdir.reset_times()
+        return {"op": Judge.DONE, "i": msg.get("i"), "wait_status": status, "wall_s": wall,
+                "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+                "maxrss_kb": usage.ru_maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed,
+                "clean": clean}
+
+    def test_child(self, fds: list[int], msg: dict[str, Any]) -> NoReturn:
+        """One test, forked from the submission's process; never returns."""
+        args: Any = None
+        with child.Setup(fds) as setup:
+            report = setup.open_report()
+            if self.mode != JUDGE_STDIN:
+                args = json.loads(setup.read(CallFd.CODE) or b"[]")
+            setup.install_stdio()
+            setup.keep_only()
+            setup.limit_cpu_below_hard(msg["cpu_s"])
+        del setup, fds
+        namespace, compiled, mode, fn_name = self.main.__dict__, self.compiled, self.mode, self.fn_name
+
+        def program() -> None:
+            if mode != JUDGE_FUNCTION:  # stdin tests, or function tests that cannot share a prepared state
+                exec(compiled, namespace)
+            if mode != JUDGE_STDIN:
+                assert fn_name is not None
+                child.report_value(report, child.call_function(namespace, fn_name, args))
+
+        proc.hard_exit(child.finalize(child.run(program, report)))
+
+
+def _shared_with_forks(own_fds: set[int]) -> str | None:
+    """What the process holds that its forks would share rather than copy (None if nothing): a
+    MAP_SHARED mapping (mmap.mmap(-1, n), multiprocessing's Value), or an fd beyond `own_fds` (an
+    open file's offset, a pipe's or memfd's contents)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) > 1 and fields[1][3:4] == b"s":
+                    return "a shared memory mapping"
+        fds = {int(name) for name in os.listdir("/proc/self/fd")}
+    except (OSError, ValueError):
+        return "state that could not be inspected"
+    for fd in fds - own_fds:
+        try:
+            os.fstat(fd)
+        except OSError:  # listdir's own, closed again by now
+            continue
+        return "open files"
+    return None
+
+
+def serve_submission(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, main: types.ModuleType | None,
+                     workdir: Workdir, cleanup_timeout_s: float) -> NoReturn:
+    """A judged call's child: the submission's process (`main`: as a spare prepared it). It compiles
+    the code once (for function-call tests it also runs its top-level code once), then forks one
+    child per test (never returns)."""
+    mode, fn_name = msg["judge"], msg.get("fn_name")
+    with child.Setup(fds) as setup:
+        if main is None:
+            main = child.prepare(pre)
+        code = setup.read(CallFd.CODE)
+        setup.install_stdio()
+        sock_fd = fds[CallFd.JUDGE]
+        setup.keep_only(sock_fd)
+        setup.limit(msg, cpu_slack=2)
+        proc.set_child_subreaper()
+        setup.register_source(child.FILENAME, code)
+        sock = socket.socket(fileno=sock_fd)
+    del setup, fds
+    try:
+        compiled = compile(code, child.FILENAME, "exec", dont_inherit=True)
+    except BaseException as exc:  # SyntaxError, a NUL byte, too deep to compile, out of memory
+        import traceback
+
+        text = "".join(traceback.format_exception_only(type(exc), exc))
+        proc.send(sock, {"op": Judge.PREPARED, "compile_error": child.exception_report(exc),
+                         "stderr": text[-8000:]})
+        proc.hard_exit(0)
+    submission = Submission(sock, main, compiled, mode, fn_name, workdir, cleanup_timeout_s)
+    if mode == JUDGE_FUNCTION:
+        why = None
+        try:
+            exec(compiled, main.__dict__)
+        except BaseException:  # every test fails the same way: each runs the top-level code itself
+            why = "its top-level code failed"
+        why = why or submission.shareable()
+        if why is not None:
+            proc.send(sock, {"op": Judge.PREPARED, "unshared": why})
+            proc.hard_exit(0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    proc.send(sock, {"op": Judge.PREPARED, "cpu_s": usage.ru_utime + usage.ru_stime})
+    submission.serve()

@@ -1,0 +1,278 @@
+"""Process primitives of the jail's programs: libc (loaded once), prctl, seccomp, signals, fds, the
+one fork, the one reaper, the one kill-all and the one wait for a child."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import time
+from posix import _exit as hard_exit  # bound here: a program may replace os._exit
+
+from .protocol import MAX_FDS, MAX_MSG, SETUP_FAILED, decode, encode
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import ctypes
+    from collections.abc import Callable
+    from typing import Any, NoReturn
+
+__all__ = ["hard_exit"]
+
+PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER = 4, 22, 36
+SECCOMP_MODE_FILTER = 2
+MADV_COLLAPSE = 14 + 11
+
+
+class _Libc:
+    handle: ctypes.CDLL | None = None
+
+
+def libc() -> ctypes.CDLL:
+    """The C library, loaded once per process tree (children inherit the handle)."""
+    if _Libc.handle is None:
+        import ctypes
+
+        _Libc.handle = ctypes.CDLL(None, use_errno=True)
+    return _Libc.handle
+
+
+def _prctl(option: int, *args: Any, what: str) -> None:
+    import ctypes
+
+    if libc().prctl(option, *args) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({what}) failed")
+
+
+def set_dumpable(flag: int) -> None:
+    _prctl(PR_SET_DUMPABLE, flag, 0, 0, 0, what="PR_SET_DUMPABLE")
+
+
+def set_child_subreaper() -> None:
+    _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0, what="PR_SET_CHILD_SUBREAPER")
+
+
+def install_abi_filter(program_hex: str | None) -> None:
+    """Stack a seccomp filter (classic BPF, built by the worker) on nsjail's: it kills any call made
+    through a foreign ABI (the 32-bit entry, x32 numbers). Fails closed: no filter, no zygote."""
+    if not program_hex:
+        return
+    import ctypes
+
+    program = ctypes.create_string_buffer(bytes.fromhex(program_hex))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
+    # nsjail has set no_new_privs.
+    _prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), ctypes.c_ulong(0),
+           ctypes.c_ulong(0), what="PR_SET_SECCOMP")
+
+
+def compact_heap() -> int:
+    """Make forks cheap: trim the heap, then back it with transparent huge pages.
+
+    A fork copies one page-table entry per mapped page, and the child's exit tears them down;
+    with the heap in 2 MB pages both cost a fraction (a copy-on-write fault in a child still
+    copies only 4 kB). MADV_COLLAPSE works whenever THP is not disabled outright.
+    """
+    import ctypes
+
+    lib = libc()
+    try:
+        lib.malloc_trim(0)
+    except AttributeError:
+        pass
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 << 20
+    collapsed = 0
+    with open("/proc/self/maps") as maps:
+        regions = [line.split() for line in maps]
+    for fields in regions:
+        if fields[1] != "rw-p" or (len(fields) > 5 and fields[5] != "[heap]"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        start = (start + huge - 1) & ~(huge - 1)
+        end &= ~(huge - 1)
+        if end > start and lib.madvise(start, end - start, MADV_COLLAPSE) == 0:
+            collapsed += end - start
+    return collapsed
+
+
+def mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None) -> None:
+    import ctypes
+
+    if libc().mount(source, target, fstype, ctypes.c_ulong(flags), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target!r}: {os.strerror(err)}")
+
+
+def deaf_to_signals() -> None:
+    """Make PID 1 deaf to its children's signals.
+
+    The kernel drops every signal sent to a pid namespace's init from inside the namespace unless
+    init has installed a handler for it (even SIGKILL and SIGSTOP). So the zygote keeps no handler
+    at all: Python's SIGINT handler goes (a Python PID 1 gets KeyboardInterrupt from a child's
+    SIGINT otherwise), and every other disposition stays the default or ignored. Children then
+    inherit the dispositions of a fresh interpreter, less SIGINT's handler, which they put back.
+    """
+    for sig in signal.valid_signals():
+        try:
+            if signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+
+
+def log(*parts: object) -> None:
+    try:
+        os.write(2, ("zygote: " + " ".join(str(p) for p in parts) + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.send(encode(msg))
+
+
+def keep_only(keep: set[int]) -> None:
+    """Close every fd but those in `keep`."""
+    low = 0
+    for fd in sorted(keep):
+        if fd > low:  # os.closerange(0, 0) would close every fd (close_range(0, -1))
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def next_message(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The next message on `sock` and the fds that came with it; the process exits (0) when the
+    other end has closed it."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, MAX_FDS)
+    except OSError:
+        hard_exit(0)
+    if not data:
+        hard_exit(0)
+    return data, fds
+
+
+def next_request(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """`next_message` as a JSON object ({} for anything else) and its fds."""
+    data, fds = next_message(sock)
+    return decode(data) or {}, fds
+
+
+def recv_or_exit(sock: socket.socket) -> dict[str, Any]:
+    """The next message on `sock` (no fds; {} if it is not an object); the process exits (0) once the
+    other end is gone."""
+    try:
+        data = sock.recv(MAX_MSG)
+    except OSError:
+        data = b""
+    if not data:
+        hard_exit(0)
+    return decode(data) or {}
+
+
+def fork() -> int:
+    """The one fork of the jail's programs: 0 in the child, the child's pid in the parent."""
+    return os.fork()
+
+
+def spawn(body: Callable[[], object]) -> int:
+    """Fork a child that runs `body()` and exits: SETUP_FAILED if `body` returns or raises (a
+    program's child exits on its own, even if the program patched os._exit)."""
+    pid = fork()
+    if pid == 0:
+        try:
+            body()
+        finally:
+            hard_exit(SETUP_FAILED)
+    return pid
+
+
+def reap_children() -> int | None:
+    """Reap every child that has ended, without waiting: how many, or None when no child is left."""
+    reaped = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if pid == 0:
+            return reaped
+        reaped += 1
+
+
+def kill_all() -> None:
+    """SIGKILL every process this one can signal (in a jail: every process of the pid namespace but
+    ourselves), then reap them all."""
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reaped = reap_children()
+        if reaped is None:
+            return
+        if not reaped:
+            time.sleep(0.0005)
+
+
+def in_child(name: str, work: Callable[[], object], timeout_s: float) -> bool:
+    """Run `work()` in a forked child (never in the zygote); True if it finished within
+    `timeout_s` and did not fail. A child that overruns is killed with everything else."""
+
+    def body() -> NoReturn:
+        code = 0
+        try:
+            work()
+        except BaseException as exc:
+            log(f"{name}:", type(exc).__name__, exc)
+            code = 1
+        os._exit(code)
+
+    pid = spawn(body)
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd], [], [], timeout_s)
+    os.close(pidfd)
+    if not ready:
+        kill_all()
+        return False
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+#: What `wait_child` returns: the child ended, the deadline passed, or a handler said stop.
+ENDED, TIMED_OUT, STOPPED = "child ended", "timed out", "stopped"
+
+
+def wait_child(pidfd: int | None, deadline: float, handlers: dict[int, Callable[[], bool]]) -> str:
+    """Wait for the child behind `pidfd` to end, until `deadline` (time.monotonic()); meanwhile
+    call `handlers[fd]()` whenever that fd is readable (a handler that returns True ends the wait).
+    Returns ENDED, TIMED_OUT or STOPPED."""
+    poller = select.poll()
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    for fd in handlers:
+        poller.register(fd, select.POLLIN)
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return TIMED_OUT
+        ended = False
+        for fd, _ in poller.poll(max(1, int(remaining * 1000 + 0.999))):
+            if fd == pidfd:
+                ended = True
+            elif handlers[fd]():
+                return STOPPED
+        if ended:
+            return ENDED
