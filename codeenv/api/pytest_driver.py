@@ -25,14 +25,21 @@ object whose __eq__ is always true passes. A reward that must hold against the p
 compares expected outputs outside the jail (/v1/judge).
 """
 
+from __future__ import annotations
+
 import ast
 import inspect
 import json
 import os
 import sys
+from types import CodeType
+from typing import Any
+
+#: A test function as the source names it: (its class, or None at module level; its name).
+Key = tuple[str | None, str]
 
 
-def _static_tests(path):
+def _static_tests(path: str) -> dict[Key, set[int]] | None:
     """(class or None, name) -> set of line numbers of every test function a default pytest run
     collects from the file's source, or None if the source does not parse (pytest reports that)."""
     try:
@@ -40,9 +47,9 @@ def _static_tests(path):
             tree = ast.parse(f.read(), path)
     except (SyntaxError, ValueError, OSError):
         return None
-    tests = {}
+    tests: dict[Key, set[int]] = {}
 
-    def add(owner, node):
+    def add(owner: str | None, node: ast.stmt) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
             # A later def of the same name replaces the earlier one, as it does in the module.
             tests[(owner, node.name)] = {node.lineno, *(d.lineno for d in node.decorator_list)}
@@ -59,53 +66,54 @@ def _static_tests(path):
     return tests
 
 
-def _code_of(item):
+def _code_of(item: Any) -> CodeType | None:
     function = getattr(item, "obj", None)
     function = getattr(function, "__func__", function)
     try:
-        function = inspect.unwrap(function)
+        function = inspect.unwrap(function) if function is not None else None
     except ValueError:
         return None
-    return getattr(function, "__code__", None)
+    code = getattr(function, "__code__", None)
+    return code if isinstance(code, CodeType) else None
 
 
 class _Tally:
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = os.path.realpath(path)
         self.counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0, "xpassed": 0}
-        self.items = []
-        self.seen = set()
-        self.codes = []
-        self.exit_status = None
-        self.plugins_at_start = set()
-        self.foreign_plugins = []
+        self.items: list[Any] = []
+        self.seen: set[Key] = set()
+        self.codes: list[tuple[Any, CodeType | None]] = []
+        self.exit_status: int | None = None
+        self.plugins_at_start: set[int] = set()
+        self.foreign_plugins: list[str] = []
 
-    def pytest_sessionstart(self, session):
+    def pytest_sessionstart(self, session: Any) -> None:
         self.plugins_at_start = {id(p) for p in session.config.pluginmanager.get_plugins()}
 
-    def _ours(self, item):
+    def _ours(self, item: Any) -> bool:
         return os.path.realpath(str(getattr(item, "path", ""))) == self.path
 
-    def _note(self, items):
+    def _note(self, items: list[Any]) -> None:
         for item in items:
             if self._ours(item):
                 cls = getattr(item, "cls", None)
                 name = getattr(item, "originalname", None) or item.name.split("[")[0]
                 self.seen.add((cls.__name__ if cls is not None else None, name))
 
-    def pytest_deselected(self, items):
+    def pytest_deselected(self, items: list[Any]) -> None:
         self._note(items)
 
-    def pytest_collection_finish(self, session):
+    def pytest_collection_finish(self, session: Any) -> None:
         self.items = list(session.items)
         self._note(self.items)
         self.codes = [(item, _code_of(item)) for item in self.items if self._ours(item)]
 
-    def pytest_collectreport(self, report):
+    def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             self.counts["error"] += 1
 
-    def pytest_runtest_logreport(self, report):
+    def pytest_runtest_logreport(self, report: Any) -> None:
         xfail = hasattr(report, "wasxfail")
         if report.when == "call":
             if report.passed:
@@ -119,7 +127,7 @@ class _Tally:
         elif report.skipped:
             self.counts["xfailed" if xfail else "skipped"] += 1
 
-    def pytest_sessionfinish(self, session, exitstatus):
+    def pytest_sessionfinish(self, session: Any, exitstatus: int) -> None:
         self.exit_status = int(exitstatus)
         # Hooks can rewrite reports: a plugin registered by the tested file (its `pytest_plugins`, or a
         # register() call while it ran) is refused; pytest's own objects and conftest files are not.
@@ -139,7 +147,7 @@ class _Tally:
 SECRET_BYTES = 128
 
 
-def _pytest(params, report_fd):
+def _pytest(params: dict[str, Any], report_fd: int) -> None:
     """The process that runs pytest (and with it the submitted file): it never holds the secret. Its
     record goes to `report_fd` on its own way out, after pytest returned; it exits with pytest's code."""
     target = params["file"]
@@ -150,7 +158,7 @@ def _pytest(params, report_fd):
     exit_code = int(pytest.main([target, *params["args"]], plugins=[tally]))
     # Checked after the run: a test that rewrote another test's code while it ran shows here.
     rewritten = [item.nodeid for item, code in tally.codes if code is None or _code_of(item) is not code]
-    missing = []
+    missing: list[str] = []
     if static is not None:
         missing = ["::".join(p for p in key if p) for key in static if key not in tally.seen]
         for item, code in tally.codes:
@@ -170,7 +178,7 @@ def _pytest(params, report_fd):
     os._exit(exit_code)
 
 
-def _caller_stdin(size):
+def _caller_stdin(size: int) -> int:
     """A memfd with stdin's first `size` bytes (the caller's own), read without the secret after them."""
     fd = os.memfd_create("stdin")
     offset = 0
@@ -184,13 +192,13 @@ def _caller_stdin(size):
     return fd
 
 
-def run(params):
+def run(text: str) -> None:
     """Run pytest on the submitted file in a child process; write the tally; exit with its exit code.
 
     The secret is read only here, after the fork, by a process no user code runs in (like every
     call's process it is non-dumpable, so its child cannot read its memory); the tally is written
     only after the child's own record arrived and the child exited."""
-    params = json.loads(params)
+    params = json.loads(text)
     size = os.fstat(0).st_size - SECRET_BYTES
     ours, theirs = os.pipe()
     pid = os.fork()
@@ -204,7 +212,7 @@ def run(params):
         finally:
             os._exit(70)
     os.close(theirs)
-    chunks = []
+    chunks: list[bytes] = []
     while chunk := os.read(ours, 1 << 16):
         chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
