@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from codeenv.settings import SandboxSettings
 
 
+#: The names of the per-call limits (Limits and LimitValues have the same fields).
+LIMITS = tuple(LimitValues.model_fields)
+
+
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """What a call runs with: its code and stdin as bytes, and its limits filled from the defaults."""
@@ -43,16 +47,27 @@ class Admitted:
 
 def resolve_limits(limits: Limits, defaults: LimitValues, caps: LimitValues) -> LimitValues:
     """Fill unset limits from `defaults`; raise LimitExceedsCap for any above `caps`."""
-    values = defaults.model_dump()
-    for name, requested in limits.model_dump(exclude_none=True).items():
-        cap = getattr(caps, name)
-        if requested > cap:
-            raise LimitExceedsCap(f"limits.{name}", requested, cap)
-        values[name] = requested
+    values = {name: getattr(defaults, name) for name in LIMITS}
+    values.update(_asked(limits, caps))
     if limits.cpu_s is None:
         # Unless asked otherwise, the CPU budget follows the wall budget.
         values["cpu_s"] = min(values["wall_s"], caps.cpu_s)
-    return LimitValues(**values)
+    # Every value is already valid: a default, or a validated request within its cap.
+    return LimitValues.model_construct(**values)
+
+
+def _asked(limits: Limits, caps: LimitValues) -> dict[str, int | float]:
+    """The limits a request set; raise LimitExceedsCap for any above `caps`."""
+    asked: dict[str, int | float] = {}
+    for name in LIMITS:
+        requested = getattr(limits, name)
+        if requested is None:
+            continue
+        cap = getattr(caps, name)
+        if requested > cap:
+            raise LimitExceedsCap(f"limits.{name}", requested, cap)
+        asked[name] = requested
+    return asked
 
 
 def admit(request: ExecRequest, settings: SandboxSettings) -> Admitted:
@@ -80,12 +95,15 @@ def admit(request: ExecRequest, settings: SandboxSettings) -> Admitted:
 
 def check(request: ExecRequest, settings: SandboxSettings) -> None:
     """`admit`'s rules without building what a worker runs with: the gateway's admission, once per
-    call. A call that provably passes (no limits asked, text too short to be over a size, no files)
-    costs a few comparisons; any other goes through `admit` itself, so the rules are written once.
-    (`Text` fields hold no lone surrogate, so a short one encodes within 4 bytes a character.)"""
-    if (request.judge is None and not request.limits.__pydantic_fields_set__ and not request.files
-            and not request.fetch_files and 4 * len(request.code) <= settings.max_code_bytes
+    call. A call that provably passes the rest (text too short to be over a size, no files) costs its
+    limits' comparison with the caps and a few more; any other goes through `admit` itself, so the
+    rules are written once. (`Text` fields hold no lone surrogate, so a short one encodes within 4
+    bytes a character.)"""
+    if (request.judge is None and not request.files and not request.fetch_files
+            and 4 * len(request.code) <= settings.max_code_bytes
             and 4 * len(request.stdin) <= settings.max_stdin_bytes):
+        if request.limits.__pydantic_fields_set__:
+            _asked(request.limits, settings.caps)
         return
     admit(request, settings)
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from codeenv import ExecRequest, InvalidRequest, LimitExceedsCap, Limits, SandboxSettings
-from codeenv.admission import resolve_limits
+from codeenv.admission import check, resolve_limits
 from codeenv.errors import ImageError
 from codeenv.sandbox.image import Profile, content_hash, find_spec
 from codeenv.sandbox.inside.protocol import frame, unframe
@@ -50,6 +50,15 @@ def test_limit_above_cap_names_the_cap() -> None:
         resolve_limits(Limits(wall_s=500), DEFAULT_LIMITS, DEFAULT_CAPS)
     with pytest.raises(InvalidRequest):
         resolve_limits(Limits(memory_mb=10**6), DEFAULT_LIMITS, DEFAULT_CAPS)
+
+
+def test_the_gateways_check_compares_asked_limits_with_the_caps() -> None:
+    settings = SandboxSettings()
+    check(ExecRequest(code="print(1)", limits=Limits(wall_s=2.5, output_bytes=1000)), settings)
+    with pytest.raises(LimitExceedsCap, match=r"limits.wall_s=500 cannot exceed"):
+        check(ExecRequest(code="print(1)", limits=Limits(wall_s=500)), settings)
+    with pytest.raises(LimitExceedsCap, match=r"limits.output_bytes"):
+        check(ExecRequest(code="x" * 10**6, limits=Limits(output_bytes=10**9)), settings)
 
 
 @pytest.mark.parametrize("bad", [{"wall_s": -1}, {"wall_s": 0}, {"wall_s": float("nan")},
