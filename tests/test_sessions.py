@@ -275,6 +275,20 @@ over.set()
         await m.delete(s.id)
 
 
+async def test_a_session_whose_thread_spins_survives_being_stopped_and_resumed(pool: SlotPool) -> None:
+    # Stopping a process and resuming it restarts its timed waits through restart_syscall (here: a
+    # thread waiting for the GIL that the spinning one holds); without it glibc aborted the process.
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        spin = ("import threading\ndef spin():\n    while True:\n        pass\n"
+                "threading.Thread(target=spin, daemon=True).start()")
+        assert (await cell(pool, s, spin)).status == "ok"
+        for _ in range(3):
+            stopped = await cell(pool, s, "while True:\n    pass", wall_s=0.5)
+            assert stopped.status == "timeout" and stopped.rolled_back, stopped.message
+            assert (await cell(pool, s, "21 * 2")).value == "42"
+
+
 async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")

@@ -144,6 +144,11 @@ def read_allowlist(path: Path) -> list[str]:
     return sorted(set(names))
 
 
+#: Allowed in every jail whatever the image's list says: the kernel's own way back into a call that a
+#: stop (SIGSTOP, then SIGCONT) or a signal interrupted. Without it a timed futex wait (a thread
+#: waiting for the GIL) answers ENOSYS after a stop, and glibc aborts the process.
+ALWAYS_ALLOWED = ("restart_syscall",)
+
 #: What a session jail's zygote and its families' supervisors need on top of a call jail's list, to
 #: give each family its namespaces, mounts and uid. Each supervisor stacks `family_filter` before any
 #: session process exists, so no user code can make these calls (they kill it, or answer ENOSYS).
@@ -158,6 +163,7 @@ def policy(mode: str, allowed: list[str], sessions: bool = False) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown seccomp mode {mode!r}; choose from {', '.join(MODES)}")
     killed: tuple[str, ...] = KILLED
+    allowed = sorted({*allowed, *ALWAYS_ALLOWED})
     if sessions:
         killed = tuple(name for name in KILLED if name not in SESSION_SETUP)
         allowed = sorted({*allowed, *SESSION_SETUP})
