@@ -21,6 +21,7 @@ from codeenv.client import AsyncClient, Client
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, SessionErrorKind
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
+from codeenv.sandbox.inside.protocol import Cell
 from codeenv.sandbox.sessions import FAMILIES_GROUP, Family, Session, SessionManager
 from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.uids import uids_in_use
@@ -275,6 +276,37 @@ over.set()
         await m.delete(s.id)
 
 
+def family_cpu_s(session: Session) -> float:
+    """CPU time the session's family has used so far, as its cgroup counts it."""
+    used = session.family.cgroup.cpu_usage_ns()
+    assert used is not None
+    return used / 1e9
+
+
+async def test_a_session_runs_nothing_between_cells(pool: SlotPool) -> None:
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        started = await cell(pool, s, """
+import threading, time
+stamps = []
+def tick():
+    while True:
+        x = 0
+        for _ in range(10**5):
+            x += 1
+        stamps.append(time.monotonic())
+        del stamps[:-1000]
+threading.Thread(target=tick, daemon=True).start()
+time.sleep(0.1)
+""")
+        assert started.status == "ok", started
+        before = family_cpu_s(s)
+        await asyncio.sleep(1.5)
+        assert family_cpu_s(s) - before < 0.1, "the session's thread ran with no cell running"
+        later = await cell(pool, s, "max(b - a for a, b in zip(stamps, stamps[1:]))")
+        assert later.status == "ok" and later.value is not None and float(later.value) >= 1.2, later.message
+
+
 async def test_a_session_whose_thread_spins_survives_being_stopped_and_resumed(pool: SlotPool) -> None:
     # Stopping a process and resuming it restarts its timed waits through restart_syscall (here: a
     # thread waiting for the GIL that the spinning one holds); without it glibc aborted the process.
@@ -287,6 +319,35 @@ async def test_a_session_whose_thread_spins_survives_being_stopped_and_resumed(p
             stopped = await cell(pool, s, "while True:\n    pass", wall_s=0.5)
             assert stopped.status == "timeout" and stopped.rolled_back, stopped.message
             assert (await cell(pool, s, "21 * 2")).value == "42"
+
+
+async def test_a_cell_that_announces_its_own_end_runs_no_further(pool: SlotPool) -> None:
+    # Finding 7: it lifts its soft CPU limit, sends the cell's "done" on every socket it can find
+    # and computes on; its answer may come early, but nothing of it runs after the answer.
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        forged = await cell(pool, s, f"""
+import gc, json, os, resource, socket, time
+soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
+for o in gc.get_objects():
+    if isinstance(o, socket.socket) and o.family == socket.AF_UNIX:
+        try:
+            o.send(json.dumps({{"op": {Cell.DONE!r}, "exit_code": 0}}).encode())
+        except OSError:
+            pass
+os.close(1)
+os.close(2)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 6:
+    pass
+""", wall_s=1, cpu_s=1)
+        before = family_cpu_s(s)
+        await asyncio.sleep(1.0)
+        assert family_cpu_s(s) - before < 0.1, f"the cell ran on after its answer: {forged}"
+        assert forged.cpu_s is not None and forged.cpu_s <= 1.5, forged
+        after = await cell(pool, s, "1", wall_s=1)  # its process is not waiting for cells: no `ok`
+        assert after.status != "ok" or after.value == "1", after
 
 
 async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:

@@ -13,8 +13,10 @@ A cell runs in a fork of its session's process: the process before the cell (the
 process) is stopped (SIGSTOP, its threads too) while the cell runs. A cell that ends by itself
 (normally, with an exception, with SystemExit) becomes the session and the pre-cell process is
 killed; a cell stopped by a limit is killed with everything it started, and the pre-cell process
-is resumed: the session is exactly as before the cell, without replay. The channels are drawn in
-protocol.py.
+is resumed: the session is exactly as before the cell, without replay. A cell's "done" is only its
+word: an idle session's process is stopped too (SIGSTOP, until the kernel shows every thread
+stopped) before its cell is answered, and resumed only for its next cell or fork, so a session runs
+nothing between cells whatever it announced. The channels are drawn in protocol.py.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x40
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 #: Time a pre-cell process has to report its cell's end after it is resumed.
 SESSION_REPLY_S = 2.0
+#: Time the kernel has to show a stopped session's threads stopped.
+STOP_WAIT_S = 1.0
 
 
 def _unshare(flags: int) -> None:
@@ -103,6 +107,42 @@ def _alive(pid: str) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped (or gone), as /proc shows it."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
+
+
+def freeze(pid: int) -> None:
+    """Stop an idle session's process, threads and all, and wait until the kernel shows it stopped: a
+    session runs nothing between cells, and its CPU time ends when its cell's answer is made."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + STOP_WAIT_S
+    while not _stopped(pid) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+
+
+def thaw(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 class SessionProcess:
@@ -270,6 +310,11 @@ class Supervisor:
     def session_pids(self) -> set[int]:
         return {pid for pid, _ in self.sessions.values()}
 
+    def freeze_all(self) -> None:
+        """Stop every session's process (a cell may have resumed a sibling: they share a uid)."""
+        for pid in self.session_pids():
+            freeze(pid)
+
     def kill_others(self, keep: set[int], once: bool = False) -> None:
         """SIGKILL every process of the family but the supervisor and `keep` (again, until a look at
         /proc finds none alive: one may have forked meanwhile; `once`: one round); reap what is ours."""
@@ -329,6 +374,7 @@ class Supervisor:
         t0 = time.monotonic()
         files_before = workdir.listing(session_dir(self.top, sid))
         deadline = t0 + msg["wall_s"]
+        thaw(pid)  # it reads the cell and forks its process; stopped again once that one started
         cell_pid = self._start_cell(ch, msg, fds, theirs, ours, deadline)
         if cell_pid is None:  # the session's process is gone or does not answer: the session is lost
             ours.close()
@@ -350,6 +396,9 @@ class Supervisor:
             reply.update(kept=True, exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None)
             ch.close()
             self.sessions[sid] = (cell_pid, ours)
+            # Its "done" is its own word: whatever it still runs stops now, before the answer (and
+            # before the worker reads the cell's CPU time); its next cell resumes it.
+            self.freeze_all()
             # SIGKILL to the pre-cell process and what the cell left: none of them runs an instruction
             # more. Making sure none is left (one may have forked meanwhile) waits until the reply is
             # sent (the supervisor's loop, before the next message).
@@ -448,6 +497,7 @@ class Supervisor:
             reply["lost"] = True
             return
         reply["wait_status"] = got["wait_status"]
+        self.freeze_all()
         reply["written"] = workdir.changed(files_before, workdir.listing(session_dir(self.top, sid)))
 
     def fork(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -455,7 +505,8 @@ class Supervisor:
         if not isinstance(sid, int) or not isinstance(new_sid, int) or sid not in self.sessions \
                 or new_sid in self.sessions:
             return {"op": Family.FORKED, "new_sid": new_sid, "ok": False}
-        _, ch = self.sessions[sid]
+        pid, ch = self.sessions[sid]
+        thaw(pid)  # it forks the new session; both are stopped again after
 
         def make(theirs: socket.socket) -> bool:
             try:
@@ -465,7 +516,9 @@ class Supervisor:
             except OSError:
                 return False
 
-        return {"op": Family.FORKED, "new_sid": new_sid, "ok": self.new_session(new_sid, make) is not None}
+        ok = self.new_session(new_sid, make) is not None
+        self.freeze_all()
+        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok}
 
     def end(self, sid: object) -> None:
         pid, ch = self.sessions.pop(sid, (None, None)) if isinstance(sid, int) else (None, None)
@@ -566,6 +619,7 @@ def _family_supervisor(sock: socket.socket, msg: dict[str, Any], pre: child.Prel
     if supervisor.new_session(0, first) is None:
         proc.send(sock, {"op": Family.READY, "ok": False})
         proc.hard_exit(0)
+    supervisor.freeze_all()
     proc.send(sock, {"op": Family.READY, "ok": True, "sid": 0})
     supervisor.serve()
 
