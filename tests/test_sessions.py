@@ -346,8 +346,6 @@ while time.monotonic() - t0 < 6:
         await asyncio.sleep(1.0)
         assert family_cpu_s(s) - before < 0.1, f"the cell ran on after its answer: {forged}"
         assert forged.cpu_s is not None and forged.cpu_s <= 1.5, forged
-        after = await cell(pool, s, "1", wall_s=1)  # its process is not waiting for cells: no `ok`
-        assert after.status != "ok" or after.value == "1", after
 
 
 async def test_delete_leaves_no_process_cgroup_or_uid(pool: SlotPool) -> None:

@@ -100,13 +100,23 @@ def _restore_random(state: Any) -> None:
         sys.modules["random"].setstate(state)
 
 
+#: Process states (/proc/PID/stat's third field) of a process that has exited.
+EXITED = (b"Z", b"X")
+
+
+def _state(stat: str) -> bytes | None:
+    """The state letter in the /proc stat file `stat`, or None if it cannot be read (gone)."""
+    try:
+        with open(stat, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: str) -> bool:
     """Whether process `pid` (a /proc entry's name) has not exited: a zombie has nothing left to kill."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+    state = _state(f"/proc/{pid}/stat")
+    return state is not None and state not in EXITED
 
 
 def _stopped(pid: int) -> bool:
@@ -115,23 +125,22 @@ def _stopped(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"T", b"t", b"Z", b"X"):
-            return False
+    return all(_state(f"/proc/{pid}/task/{task}/stat") in (None, b"T", b"t", *EXITED) for task in tasks)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`; False if it is gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
     return True
 
 
 def freeze(pid: int) -> None:
     """Stop an idle session's process, threads and all, and wait until the kernel shows it stopped: a
     session runs nothing between cells, and its CPU time ends when its cell's answer is made."""
-    try:
-        os.kill(pid, signal.SIGSTOP)
-    except ProcessLookupError:
+    if not _signal(pid, signal.SIGSTOP):
         return
     deadline = time.monotonic() + STOP_WAIT_S
     while not _stopped(pid) and time.monotonic() < deadline:
@@ -139,10 +148,7 @@ def freeze(pid: int) -> None:
 
 
 def thaw(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
+    _signal(pid, signal.SIGCONT)
 
 
 class SessionProcess:
@@ -326,10 +332,7 @@ class Supervisor:
             if not victims:
                 return
             for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _signal(pid, signal.SIGKILL)
             proc.reap_children()
             if attempt:
                 time.sleep(0.001)
@@ -381,10 +384,7 @@ class Supervisor:
             self.end(sid)
             reply["lost"] = True
             return reply
-        try:
-            os.kill(pid, signal.SIGSTOP)  # the pre-cell process, threads and all, waits
-        except ProcessLookupError:
-            pass
+        _signal(pid, signal.SIGSTOP)  # the pre-cell process, threads and all, waits
         try:  # the worker makes the cell's processes the first the OOM killer takes
             proc.send(self.sock, {"op": Family.CELL_STARTED, "seq": msg.get("seq")})
         except OSError:
@@ -481,10 +481,7 @@ class Supervisor:
                 self.sock.recv(MAX_MSG)  # "resume" (or anything: a late kill, whose cell is over)
         except OSError:
             pass
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        thaw(pid)
         ready, _, _ = select.select([ch], [], [], SESSION_REPLY_S)
         got = None
         if ready:
@@ -525,10 +522,7 @@ class Supervisor:
         if ch is not None:
             ch.close()
         if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(pid, signal.SIGKILL)
         proc.reap_children()
         for _, other in self.sessions.values():  # its parent may be one of them: it reaps it
             try:
