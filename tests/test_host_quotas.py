@@ -199,3 +199,15 @@ async def test_honest_programs_still_work_under_those_limits(pool: SlotPool,
                     ExecRequest(code=HONEST, session=s.id, limits={"wall_s": 20})):
         r = await pool.run(request)
         assert r.status == "ok" and r.stdout.split() == ["1225", "100", "7"], r
+
+
+async def test_a_familys_stopped_sessions_take_none_of_its_share(
+        pool: SlotPool, session: tuple[SessionManager, Session]) -> None:
+    """Idle sessions are stopped between cells; a stop signal queued to one already stopped (or to a
+    pre-cell process still running) would count against the family's RLIMIT_SIGPENDING."""
+    m, s = session
+    forks = [await m.fork(s.id) for _ in range(4)]
+    for one in (s, *forks, s):
+        assert (await pool.run(ExecRequest(code="x = 1", session=one.id))).status == "ok"
+    got = check_held_to_a_share(await pool.run(ExecRequest(code=hostile(), session=s.id, limits={"wall_s": 20})))
+    assert got["timers"] + got["signals"] == JAIL_SIGPENDING, got

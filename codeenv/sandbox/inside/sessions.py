@@ -137,14 +137,25 @@ def _signal(pid: int, sig: int) -> bool:
     return True
 
 
+def wait_stopped(pid: int) -> bool:
+    """Wait until the kernel shows every thread of `pid` stopped (at most STOP_WAIT_S); whether it does."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while not _stopped(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0001)
+    return True
+
+
 def freeze(pid: int) -> None:
     """Stop an idle session's process, threads and all, and wait until the kernel shows it stopped: a
-    session runs nothing between cells, and its CPU time ends when its cell's answer is made."""
-    if not _signal(pid, signal.SIGSTOP):
-        return
-    deadline = time.monotonic() + STOP_WAIT_S
-    while not _stopped(pid) and time.monotonic() < deadline:
-        time.sleep(0.0002)
+    session runs nothing between cells, and its CPU time ends when its cell's answer is made.
+
+    One already stopped is not signalled again: a stopped process does not take a SIGSTOP off its
+    queue, and a queued signal counts against the family's RLIMIT_SIGPENDING until it is resumed
+    (each stopped sibling held one of the family's 64 while its siblings' cells ran)."""
+    if not _stopped(pid) and _signal(pid, signal.SIGSTOP):
+        wait_stopped(pid)
 
 
 def thaw(pid: int) -> None:
@@ -209,6 +220,10 @@ class SessionProcess:
                 proc.hard_exit(SETUP_FAILED)
             return  # the cell ended by itself: this process is the session now
         proc.close_all(fds)
+        # The pre-cell process stops itself, threads and all, before the cell runs a line (the cell
+        # waits for it): a stop the supervisor sent later would sit in the family's signal queue,
+        # one of its RLIMIT_SIGPENDING, for a moment of the cell's.
+        os.kill(os.getpid(), signal.SIGSTOP)
         try:
             _, status = os.waitpid(pid, 0)  # reached only if the cell does not become the session
         except ChildProcessError:
@@ -258,6 +273,7 @@ class SessionProcess:
         session, with the cell's channel. `fresh_streams`: the session's process had other threads,
         which may hold the std streams' locks (the fork did not copy them), so the cell gets new ones."""
         name = f"<cell {msg.get('n', '?')}>"  # tracebacks and the error's line name the cell
+        wait_stopped(os.getppid())  # the pre-cell process: see `cell`
         with child.Setup(fds) as setup:
             ch = socket.socket(fileno=fds[CellFd.CHANNEL])
             proc.send(ch, {"op": Cell.STARTED})  # the supervisor learns our pid from the kernel (SO_PASSCRED)
@@ -384,7 +400,8 @@ class Supervisor:
             self.end(sid)
             reply["lost"] = True
             return reply
-        _signal(pid, signal.SIGSTOP)  # the pre-cell process, threads and all, waits
+        if not _stopped(pid):  # the pre-cell process stops itself; if it did not, it is stopped here
+            _signal(pid, signal.SIGSTOP)
         try:  # the worker makes the cell's processes the first the OOM killer takes
             proc.send(self.sock, {"op": Family.CELL_STARTED, "seq": msg.get("seq")})
         except OSError:
