@@ -13,7 +13,7 @@ from codeenv.sandbox import seccomp
 from codeenv.sandbox.cgroups import CgroupLayout
 from codeenv.sandbox.sizing import families_socket_memory_limit, socket_memory_limit
 from codeenv.sandbox.syscall_audit import PROBES, logged_calls
-from tests.conftest import Runner, until
+from tests.conftest import Runner
 
 SIGSYS = 31
 
@@ -53,6 +53,7 @@ KILLED = {
     "umount2": "libc.syscall(166, b'/proc', 0)",
     "pivot_root": "libc.syscall(155, b'/work', b'/work')",
     "unshare(CLONE_NEWUSER)": "libc.syscall(272, 0x10000000)",
+    "unshare(CLONE_NEWNET), which the zygote may call": "libc.syscall(272, 0x40000000)",
     "clone with CLONE_NEWPID": "libc.syscall(56, 0x20000000 | 17, 0, 0, 0, 0)",
     "semop": "libc.syscall(65, 0, 0, 0)",
     "io_submit": "libc.syscall(209, 0, 0, 0)",
@@ -336,16 +337,52 @@ print(open('/proc/net/sockstat').read().split('tw ')[1].split()[0])
 
 
 @pytest.mark.jail
+async def test_a_call_holds_no_capability(run: Runner, pool: SlotPool) -> None:
+    # The zygote keeps CAP_SYS_ADMIN and CAP_NET_ADMIN in the jail's user namespace (a fresh network
+    # namespace, the pid counter); every child it forks drops them before anything else.
+    r = await run("for line in open('/proc/self/status'):\n"
+                  "    if line.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb')):\n"
+                  "        print(line.split()[1])", slot=0)
+    assert r.stdout.split() == ["0000000000000000"] * 4, r
+    zygote = pool.slots[0].zygotes["math"]
+    status = Path(f"/proc/{zygote.zygote_pid}/status").read_text()
+    caps = dict(line.split(":\t", 1) for line in status.splitlines() if line.startswith("Cap"))
+    assert int(caps["CapEff"], 16) == (1 << 21) | (1 << 12), caps  # CAP_SYS_ADMIN, CAP_NET_ADMIN
+
+
+#: Forks `n` children, then one more; prints its own pid and the last child's.
+FORKS = """import os
+for _ in range({n} + 1):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.wait()
+print(os.getpid(), pid)"""
+
+
+@pytest.mark.jail
+async def test_each_call_starts_from_the_same_pids(run: Runner, pool: SlotPool) -> None:
+    # Finding 14: the pid counter carried about 15 bits from a call to the next on its slot.
+    start = pool.restarts
+    quiet = await run(FORKS.format(n=0), slot=0)
+    assert quiet.status == "ok", quiet
+    busy = await run(FORKS.format(n=300), slot=0)
+    assert busy.status == "ok" and int(busy.stdout.split()[0]) == int(quiet.stdout.split()[0]), (quiet, busy)
+    after = await run(FORKS.format(n=0), slot=0)
+    assert after.stdout == quiet.stdout, (quiet, after)  # not the 300 more it would have been
+    assert pool.restarts == start
+
+
+@pytest.mark.jail
 async def test_a_call_that_used_the_network_leaves_the_next_a_fresh_namespace(run: Runner, pool: SlotPool) -> None:
     start = pool.restarts
     first = await run(NETWORK_TRACES, slot=1)
     assert first.status == "ok" and first.stdout.splitlines()[0] == "['0', '0']", first
     second = await run(NETWORK_TRACES, slot=1)  # the same port binds again; no counter of the first call
     assert second.status == "ok" and second.stdout == first.stdout, (first, second)
-    await until(lambda: pool.restarts == start + 2, "both jails recycled after their calls")
-    await run("print(sum(range(10)))", slot=1)
-    await run("print(sum(range(10)))", slot=1)
-    assert pool.restarts == start + 2  # calls without sockets keep their jail
+    third = await run(NETWORK_TRACES, slot=1)
+    assert third.stdout == first.stdout, third
+    assert pool.restarts == start  # a fresh network namespace from the same zygote each time
 
 
 @pytest.mark.jail

@@ -68,11 +68,11 @@ def check_traversable(path: Path) -> None:
             )
 
 
-def seccomp_policy(settings: SandboxSettings, image: Image, sessions: bool = False) -> str:
+def seccomp_policy(settings: SandboxSettings, image: Image, sessions: bool = False, calls: bool = False) -> str:
     if settings.seccomp == "legacy":
         return seccomp.LEGACY_POLICY
     return seccomp.policy(settings.seccomp, seccomp.read_allowlist(seccomp.syscalls_file(image.spec.name)),
-                          sessions=sessions)
+                          sessions=sessions, calls=calls)
 
 
 def abi_filter_hex(settings: SandboxSettings) -> str:
@@ -192,6 +192,33 @@ def jail_config(
             path=f"/usr/local/bin/python{image.spec.python}",
             arg=["-s", "-B", "-c", ZYGOTE_START, json.dumps(zygote_config)],
         ),
+    )
+
+
+#: What a call jail's zygote keeps, in the jail's user namespace only (ambient: it runs as the
+#: sandbox uid): a fresh network namespace after a call used the network, and the pid counter set
+#: back before each fork. Every child it forks drops them and stacks `family_filter` first.
+CALL_CAPS = ["CAP_SYS_ADMIN", "CAP_NET_ADMIN"]
+#: The empty directory in ZYGOTE_DIR where a call jail's zygote mounts its own /proc for a moment:
+#: the jail's /proc is read-only, and the pid counter (ns_last_pid) is written through this one.
+ZYGOTE_PROC = "proc"
+
+
+def call_jail_config(
+    settings: SandboxSettings, image: Image, profile: Profile, zygote_dir: Path, host_uid: int,
+    ctl_fd: int = CTL_FD,
+) -> NsJailConfig:
+    """The nsjail config of a slot's call jail: `jail_config` whose zygote keeps CALL_CAPS, and
+    whose children drop them and stack the filter a family's supervisor stacks (it kills what only
+    the zygote may call, and calls through a foreign ABI: the zygote needs no ABI filter of its own)."""
+    config = jail_config(settings, image, profile, zygote_dir, host_uid, ctl_fd)
+    assert config.exec_bin is not None and config.exec_bin.arg is not None
+    zygote_config = json.loads(config.exec_bin.arg[-1])
+    zygote_config.update(abi_filter="", child_filter=family_filter_hex(settings), drop_caps=True,
+                         proc_mount=f"{ZYGOTE_DIR}/{ZYGOTE_PROC}")
+    return dataclasses.replace(
+        config, cap=CALL_CAPS, seccomp_string=[seccomp_policy(settings, image, calls=True)],
+        exec_bin=Exe(path=config.exec_bin.path, arg=[*config.exec_bin.arg[:-1], json.dumps(zygote_config)]),
     )
 
 

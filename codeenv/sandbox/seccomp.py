@@ -153,20 +153,26 @@ ALWAYS_ALLOWED = ("restart_syscall",)
 #: give each family its namespaces, mounts and uid. Each supervisor stacks `family_filter` before any
 #: session process exists, so no user code can make these calls (they kill it, or answer ENOSYS).
 SESSION_SETUP = ("unshare", "mount", "setresuid", "setresgid", "setgroups")
+#: What a call jail's zygote needs on top of the image's list: a fresh network namespace (unshare)
+#: after a call used the network, and its own mount of /proc (mount, umount2: Kafel's "umount") for
+#: the pid counter; its children drop the capabilities these need (capset: with none left, it can
+#: only drop). Every child stacks `family_filter` before anything else, so no call can make the others.
+CALL_SETUP = ("unshare", "mount", "umount", "capset")
 
 
-def policy(mode: str, allowed: list[str], sessions: bool = False) -> str:
+def policy(mode: str, allowed: list[str], sessions: bool = False, calls: bool = False) -> str:
     """The Kafel policy of a jail in `mode` with the image's `allowed` calls (of a session jail:
-    with SESSION_SETUP allowed too)."""
+    with SESSION_SETUP allowed too; of a call jail whose zygote keeps capabilities: CALL_SETUP)."""
     if mode == "legacy":
         return LEGACY_POLICY
     if mode not in MODES:
         raise ValueError(f"unknown seccomp mode {mode!r}; choose from {', '.join(MODES)}")
     killed: tuple[str, ...] = KILLED
     allowed = sorted({*allowed, *ALWAYS_ALLOWED})
-    if sessions:
-        killed = tuple(name for name in KILLED if name not in SESSION_SETUP)
-        allowed = sorted({*allowed, *SESSION_SETUP})
+    for setup, wanted in ((SESSION_SETUP, sessions), (CALL_SETUP, calls)):
+        if wanted:
+            killed = tuple(name for name in killed if name not in setup)
+            allowed = sorted({*allowed, *setup})
     lines = ["POLICY codeenv_killed {", f"  KILL_PROCESS {{ {', '.join(killed)} }},",
              f"  KILL_PROCESS {{ {', '.join(KILLED_WHEN)} }}", "}", "POLICY codeenv_refused {"]
     refused = {**REFUSED_WHEN, ENOSYS: NEVER_ALLOWED}

@@ -85,6 +85,8 @@ def main() -> NoReturn:
     if config.get("sigpending") is not None:  # a per-user counter charged to host root: see jail.py
         resource.setrlimit(resource.RLIMIT_SIGPENDING, (config["sigpending"],) * 2)
     proc.install_abi_filter(config.get("abi_filter"))
+    if config.get("drop_caps"):  # a call jail's zygote keeps capabilities; its children do not
+        proc.children_drop_caps(config.get("child_filter"))
     proc.set_dumpable(0)
     proc.deaf_to_signals()
     ctl = socket.socket(fileno=config.get("ctl_fd", CTL_FD))
@@ -100,6 +102,11 @@ def main() -> NoReturn:
     proc.deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
     workdir = Workdir(config["workdir"])
     workdir.record_baseline()
+    if config.get("proc_mount"):
+        try:
+            proc.hold_pid_counter(config["proc_mount"])
+        except OSError as exc:  # e.g. the legacy policy: calls' pids then follow the last call's
+            proc.log("the pid counter cannot be held:", exc)
     zygote = CallZygote(ctl, pre, workdir, config["cleanup_timeout_s"], bool(config.get("prefork")))
     zygote.make_spare()  # none in a session jail (no prefork)
     proc.send(ctl, {"op": Ctl.HELLO, "spare": zygote.spare is not None,

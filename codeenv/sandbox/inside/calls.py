@@ -61,6 +61,8 @@ class CallZygote:
                     self.run(data, msg, fds)
                 else:
                     proc.close_all(fds)
+                    if op == Ctl.RENEW:
+                        self.renew_network(msg)
                     if op == Ctl.PING:
                         proc.send(self.ctl, {"op": Ctl.PONG})
             except OSError as exc:  # the worker went away mid-call
@@ -112,6 +114,28 @@ class CallZygote:
             serve_submission(fds, msg, self.pre, main, self.workdir, self.cleanup_timeout_s)
         child.run_call(fds, msg, self.pre, main)
         proc.hard_exit(SETUP_FAILED)  # run_call never returns, even if the program patched os._exit
+
+    def renew_network(self, msg: dict[str, Any]) -> None:
+        """The last call used the network (its counters moved, seen from outside): a fresh network
+        namespace for the next, so no socket, port in TIME_WAIT or counter of it is left, without a
+        restart. A spare was forked in the old namespace: it goes, and a new one is forked."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            pid, pidfd, sock = spare
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(pidfd)
+            sock.close()
+        try:
+            proc.unshare(proc.CLONE_NEWNET)
+            proc.loopback_up()
+            clean = True
+        except OSError as exc:  # no capability (the legacy policy): the worker recycles the jail
+            proc.log("a fresh network namespace failed:", exc)
+            clean = False
+        if clean and spare is not None:
+            self.make_spare()
+        proc.send(self.ctl, {"op": Ctl.READY, "seq": msg.get("seq"), "clean": clean, "spare": self.spare is not None})
 
     def take_spare(self) -> tuple[int, int, socket.socket] | None:
         """The waiting spare child, if it is still alive."""

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 __all__ = ["hard_exit"]
 
 PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER = 4, 22, 36
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 0x40000
+MNT_DETACH = 2
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SECCOMP_MODE_FILTER = 2
 MADV_COLLAPSE = 14 + 11
 
@@ -55,7 +60,8 @@ def set_child_subreaper() -> None:
 
 def install_abi_filter(program_hex: str | None) -> None:
     """Stack a seccomp filter (classic BPF, built by the worker) on nsjail's: it kills any call made
-    through a foreign ABI (the 32-bit entry, x32 numbers). Fails closed: no filter, no zygote."""
+    through a foreign ABI (the 32-bit entry, x32 numbers), and (a family's, a call child's) what only
+    the zygote may call. Fails closed: no filter, no zygote (or child)."""
     if not program_hex:
         return
     import ctypes
@@ -69,6 +75,86 @@ def install_abi_filter(program_hex: str | None) -> None:
     # nsjail has set no_new_privs.
     _prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), ctypes.c_ulong(0),
            ctypes.c_ulong(0), what="PR_SET_SECCOMP")
+
+
+def drop_caps() -> None:
+    """Drop every capability of this process (permitted, effective, inheritable, and with them the
+    ambient set); raises OSError if the kernel refuses."""
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)  # this thread
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all empty
+    if libc().capset(header, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    if hasattr(os, "unshare"):  # Python >= 3.12
+        os.unshare(flags)
+        return
+    import ctypes
+
+    if libc().unshare(ctypes.c_int(flags)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare: {os.strerror(err)}")
+
+
+def loopback_up() -> None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
+
+
+class _Children:
+    """What a call jail's zygote does at each fork (see `children_drop_caps`, `hold_pid_counter`)."""
+
+    drop_caps = False
+    filter_hex: str | None = None
+    #: The jail's pid counter (ns_last_pid), written back to `last_pid` before each fork.
+    last_pid_fd: int | None = None
+    last_pid = b""
+
+
+def children_drop_caps(filter_hex: str | None) -> None:
+    """Every child forked from now on drops this process's capabilities and stacks `filter_hex`
+    (the calls only the zygote may make kill) before it does anything else."""
+    _Children.drop_caps = True
+    _Children.filter_hex = filter_hex or None
+
+
+def hold_pid_counter(mount_point: str) -> None:
+    """Keep the jail's pid counter (/proc/sys/kernel/ns_last_pid; the jail's /proc is read-only)
+    through a /proc of our own, mounted at `mount_point` for a moment, and its present value: each
+    fork from now on sets it back first, so every call's processes get the same pids whatever the
+    last call forked (finding 14). Needs CAP_SYS_ADMIN in the jail's user namespace; the fd works
+    for nobody without it, so a child that kept it could not move the counter either."""
+    path = mount_point.encode()
+    mount(b"proc", path, b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    try:
+        fd = os.open(mount_point + "/sys/kernel/ns_last_pid", os.O_RDWR | os.O_CLOEXEC)
+    finally:
+        libc().umount2(path, MNT_DETACH)  # the fd keeps the mount; no path reaches it
+    _Children.last_pid = os.pread(fd, 32, 0).strip()
+    _Children.last_pid_fd = fd
+
+
+def _first_in_child() -> None:
+    """A call jail's child, before anything else: no capability, no pid counter, the filter."""
+    if _Children.last_pid_fd is not None:
+        os.close(_Children.last_pid_fd)
+        _Children.last_pid_fd = None
+    _Children.drop_caps = False  # for its own children: they inherit all of this
+    try:
+        drop_caps()
+        install_abi_filter(_Children.filter_hex)
+    except BaseException as exc:
+        log("a child could not drop its capabilities:", repr(exc))
+        hard_exit(SETUP_FAILED)
 
 
 def compact_heap() -> int:
@@ -184,7 +270,15 @@ def recv_or_exit(sock: socket.socket) -> dict[str, Any]:
 
 def fork() -> int:
     """The one fork of the jail's programs: 0 in the child, the child's pid in the parent."""
-    return os.fork()
+    if _Children.last_pid_fd is not None:
+        try:
+            os.pwrite(_Children.last_pid_fd, _Children.last_pid, 0)
+        except OSError:
+            pass
+    pid = os.fork()
+    if pid == 0 and _Children.drop_caps:
+        _first_in_child()
+    return pid
 
 
 def spawn(body: Callable[[], object]) -> int:

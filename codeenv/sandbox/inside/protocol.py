@@ -25,6 +25,9 @@ Control socket (worker <-> zygote, fd CTL_FD in the jail; `Ctl`)::
     zygote -> worker  {"op": "ready", "seq", "clean"}           traces wiped; ready for the next call
                                                                 (folded into "exited", as "also_ready":
                                                                 true, when the call left nothing to wipe)
+    worker -> zygote  {"op": "renew", "seq"}                    the call used the network: a fresh
+    zygote -> worker  {"op": "ready", "seq", "clean"}           network namespace (no restart), and a
+                                                                new spare forked in it
     worker -> zygote  {"op": "ping"}  ->  {"op": "pong"}        liveness
   In a session jail, instead of calls:
     worker -> zygote  {"op": "create", "fid", "uid", ...} + 1 fd (the family socket)
@@ -110,6 +113,7 @@ class Ctl:
     KILL: Final = "kill"
     EXITED: Final = "exited"
     READY: Final = "ready"
+    RENEW: Final = "renew"
     PING: Final = "ping"
     PONG: Final = "pong"
     CREATE: Final = "create"

@@ -30,6 +30,18 @@ import sys
 import time
 
 from . import child, proc, workdir
+from .proc import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+)
 from .protocol import MAX_FDS, MAX_MSG, ONE_FD, SETUP_FAILED, CallFd, Cell, CellFd, Ctl, Family, Session, decode, encode
 
 TYPE_CHECKING = False
@@ -38,34 +50,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, NoReturn
 
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 0x40000
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 #: Time a pre-cell process has to report its cell's end after it is resumed.
 SESSION_REPLY_S = 2.0
 #: Time the kernel has to show a stopped session's threads stopped.
 STOP_WAIT_S = 1.0
-
-
-def _unshare(flags: int) -> None:
-    if hasattr(os, "unshare"):  # Python >= 3.12
-        os.unshare(flags)
-        return
-    import ctypes
-
-    if proc.libc().unshare(ctypes.c_int(flags)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare: {os.strerror(err)}")
-
-
-def _loopback_up() -> None:
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        ifreq = struct.pack("16sH14s", b"lo", 0, b"")
-        flags = struct.unpack("16sH14s", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
-        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
 def _sender_pid(sock: socket.socket) -> tuple[bytes, int | None]:
@@ -583,7 +571,7 @@ def _set_up_family(msg: dict[str, Any], top: str) -> None:
     proc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     opts = f"size={msg['workdir_bytes']},nr_inodes={msg['workdir_inodes']},mode=0700,uid={uid},gid={uid}"
     proc.mount(b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode())
-    _loopback_up()
+    proc.loopback_up()
     resource.setrlimit(resource.RLIMIT_NOFILE, (msg["nofile"], msg["nofile"]))  # the zygote's is higher
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -670,7 +658,7 @@ def _create_family(ctl: socket.socket, msg: dict[str, Any], fds: list[int], pre:
             os.close(r)
             sock = socket.socket(fileno=fds[0])
             proc.keep_only({0, 1, 2, w, sock.fileno()})
-            _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID)
+            proc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID)
 
             def supervisor() -> None:
                 os.close(w)
