@@ -373,6 +373,34 @@ async def test_each_call_starts_from_the_same_pids(run: Runner, pool: SlotPool) 
     assert pool.restarts == start
 
 
+#: Makes `n` files (and with `churn`, makes and removes one that many times), then one more; prints
+#: that one's inode number.
+INODES = """import os
+for i in range({n}):
+    open(f"f{{i}}", "w").close()
+    if {churn}:
+        os.remove(f"f{{i}}")
+open("probe", "w").close()
+print(os.stat("probe").st_ino)"""
+
+
+@pytest.mark.jail
+@pytest.mark.parametrize("churn", [False, True], ids=["kept", "removed"])
+async def test_each_call_starts_from_the_same_inode_numbers(run: Runner, pool: SlotPool, churn: bool) -> None:
+    # Finding 14: the work dir's inode counter carried about 15 bits from a call to the next. Files
+    # made and removed again leave the dir's usage as it was, but not its counter.
+    start = pool.restarts
+    quiet = await run(INODES.format(n=0, churn=False), slot=1)
+    busy = await run(INODES.format(n=500, churn=churn), slot=1)
+    assert busy.status == "ok" and int(busy.stdout) > int(quiet.stdout) + 400, (quiet, busy)
+    after = await run(INODES.format(n=0, churn=False), slot=1)
+    assert after.stdout == quiet.stdout, (quiet, after)
+    listed = await run("import os\nprint(os.listdir('.'))", slot=1)  # a listing moves the dir's atime only
+    assert listed.stdout == "[]\n", listed
+    assert (await run(INODES.format(n=0, churn=False), slot=1)).stdout == quiet.stdout
+    assert pool.restarts == start
+
+
 @pytest.mark.jail
 async def test_a_call_that_used_the_network_leaves_the_next_a_fresh_namespace(run: Runner, pool: SlotPool) -> None:
     start = pool.restarts

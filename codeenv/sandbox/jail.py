@@ -196,8 +196,9 @@ def jail_config(
 
 
 #: What a call jail's zygote keeps, in the jail's user namespace only (ambient: it runs as the
-#: sandbox uid): a fresh network namespace after a call used the network, and the pid counter set
-#: back before each fork. Every child it forks drops them and stacks `family_filter` first.
+#: sandbox uid): a fresh network namespace after a call used the network, a fresh tmpfs on the work
+#: dir after a call changed it, and the pid counter set back before each fork. Every child it forks
+#: drops them and stacks `family_filter` first.
 CALL_CAPS = ["CAP_SYS_ADMIN", "CAP_NET_ADMIN"]
 #: The empty directory in ZYGOTE_DIR where a call jail's zygote mounts its own /proc for a moment:
 #: the jail's /proc is read-only, and the pid counter (ns_last_pid) is written through this one.
@@ -214,8 +215,9 @@ def call_jail_config(
     config = jail_config(settings, image, profile, zygote_dir, host_uid, ctl_fd)
     assert config.exec_bin is not None and config.exec_bin.arg is not None
     zygote_config = json.loads(config.exec_bin.arg[-1])
+    [tmpfs] = [m.options for m in config.mount if m.dst == WORKDIR]
     zygote_config.update(abi_filter="", child_filter=family_filter_hex(settings), drop_caps=True,
-                         proc_mount=f"{ZYGOTE_DIR}/{ZYGOTE_PROC}")
+                         proc_mount=f"{ZYGOTE_DIR}/{ZYGOTE_PROC}", workdir_tmpfs=tmpfs)
     return dataclasses.replace(
         config, cap=CALL_CAPS, seccomp_string=[seccomp_policy(settings, image, calls=True)],
         exec_bin=Exe(path=config.exec_bin.path, arg=[*config.exec_bin.arg[:-1], json.dumps(zygote_config)]),

@@ -13,7 +13,8 @@ Invariants it keeps (shared/DESIGN.md):
 2. The child cannot reach it: it is non-dumpable, keeps no signal handler (so the kernel drops its
    children's signals), and hands the child fds 0-2 only.
 3. Nothing of a call survives: after each call it kills every other process in the jail, reaps them,
-   and has a short-lived janitor child wipe the work dir if anything was left there.
+   and mounts a fresh tmpfs on the work dir if the call changed it (or, where it cannot, has a
+   short-lived janitor child wipe it); before each fork it sets the pid counter back.
 
 Modules: `protocol` (every channel, shared with the worker), `proc` (process primitives), `child`
 (a program's process), `workdir` (files), and one per program: `calls`, `judge`, `sessions`.
@@ -100,7 +101,7 @@ def main() -> NoReturn:
     huge = proc.compact_heap()
     gc.freeze()
     proc.deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
-    workdir = Workdir(config["workdir"])
+    workdir = Workdir(config["workdir"], config.get("workdir_tmpfs"))
     workdir.record_baseline()
     if config.get("proc_mount"):
         try:

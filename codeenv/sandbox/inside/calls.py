@@ -250,18 +250,26 @@ class CallZygote:
 
     def report(self, msg: dict[str, Any], exited: dict[str, Any]) -> None:
         """Send "exited", wipe what the call left, send "ready" (one message when nothing was left)."""
-        self.workdir.reset_times()
         # The spare (if any) is forked before "ready", which says so: the worker then knows exactly
         # how many processes the jail must hold.
-        if self.workdir.untouched():  # the common case: one message says both "exited" and "ready"
+        if self.workdir.settle():  # the common case: one message says both "exited" and "ready"
             if msg.get("spare"):
                 self.make_spare()
             exited.update(also_ready=True, clean=True, spare=self.spare is not None)
             proc.send(self.ctl, exited)
             return
         proc.send(self.ctl, exited)
-        clean = self.workdir.clean(self.cleanup_timeout_s)
-        self.workdir.reset_times()
+        try:
+            fresh = self.workdir.fresh()
+        except OSError as exc:  # no work dir now: the worker recycles the jail
+            proc.log("a fresh work dir failed:", exc)
+            fresh, clean = False, False
+        else:
+            clean = fresh or self.workdir.clean(self.cleanup_timeout_s)
+            if not fresh:
+                self.workdir.reset_times()
+                self.workdir.record_baseline()
         if clean and msg.get("spare"):
             self.make_spare()
-        proc.send(self.ctl, {"op": Ctl.READY, "seq": msg["seq"], "clean": clean, "spare": self.spare is not None})
+        proc.send(self.ctl, {"op": Ctl.READY, "seq": msg["seq"], "clean": clean, "spare": self.spare is not None,
+                             "fresh_workdir": fresh})

@@ -226,10 +226,14 @@ def copy_tree(src: str, dst: str) -> None:
 class Workdir:
     """The jail's work dir and its state at start: a call leaves it as it found it, or it is wiped."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tmpfs_options: str | None = None) -> None:
         self.path = path
+        #: Set in a call jail: its zygote mounts a fresh tmpfs with these options after a call that
+        #: changed the work dir (see `fresh`).
+        self.tmpfs_options = tmpfs_options
         self.baseline = (0, 0)
         self.times: tuple[int, int] | None = None
+        self.ctime = 0
 
     def usage(self) -> tuple[int, int]:
         """(inodes, blocks) in use."""
@@ -240,6 +244,35 @@ class Workdir:
         self.baseline = self.usage()
         st = os.stat(self.path)
         self.times = (st.st_atime_ns, st.st_mtime_ns)
+        self.ctime = st.st_ctime_ns
+
+    def settle(self) -> bool:
+        """After a call, in the zygote: whether it left the work dir as it found it, the tmpfs's
+        inode counter included. Any entry made or removed, any mode, time or attribute set moves the
+        dir's ctime, which no call can set back; a listing only moves its atime, put back here."""
+        st = os.stat(self.path)
+        if (st.st_ctime_ns != self.ctime or self.usage() != self.baseline or stat.S_IMODE(st.st_mode) != 0o700
+                or os.listxattr(self.path)):
+            return False
+        if (st.st_atime_ns, st.st_mtime_ns) != self.times:
+            self.reset_times()
+            self.ctime = os.stat(self.path).st_ctime_ns
+        return True
+
+    def fresh(self) -> bool:
+        """A new tmpfs on the work dir in place of the one a call changed (the zygote only: PID 1,
+        with CAP_SYS_ADMIN in the jail's user namespace): nothing of the call's files reaches the
+        next, not even how many it made (the tmpfs numbers inodes from 1 again). False if this jail
+        cannot (then `clean` wipes the dir); raises OSError if the old one went and no new one came."""
+        if self.tmpfs_options is None or os.getpid() != 1:
+            return False
+        path = self.path.encode()
+        if proc.libc().umount2(path, proc.MNT_DETACH) != 0:
+            return False
+        proc.mount(b"tmpfs", path, b"tmpfs", proc.MS_NOSUID | proc.MS_NODEV, self.tmpfs_options.encode())
+        os.chdir(self.path)  # the zygote's cwd held the old one
+        self.record_baseline()
+        return True
 
     def reset_times(self) -> None:
         """The work dir's own timestamps as at start: a call may set them (utime), and the wipe moves them."""

@@ -49,10 +49,12 @@ class Ready:
 
     clean: bool = False
     spare: bool = False
+    fresh_workdir: bool = False  # a new tmpfs on the work dir: the worker's baselines are taken anew
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Ready:
-        return cls(clean=msg.get("clean") is True, spare=msg.get("spare") is True)
+        return cls(clean=msg.get("clean") is True, spare=msg.get("spare") is True,
+                   fresh_workdir=msg.get("fresh_workdir") is True)
 
 
 @dataclass(frozen=True, slots=True)

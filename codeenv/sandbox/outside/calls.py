@@ -34,6 +34,7 @@ class CallJail(JailProcess):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.baseline_workdir: tuple[int, int] = (0, 0)
+        self.empty_workdir: tuple[int, int] = (0, 0)
         self.baseline_times: tuple[int, int] | None = None
         self.baseline_net = b""
         self._memory_limit = -1
@@ -58,14 +59,19 @@ class CallJail(JailProcess):
         self._memory_limit = self._pids_max = -1
 
     def _take_baselines(self) -> None:
+        self._take_workdir_baselines()
+        self.empty_workdir = self.baseline_workdir
+        self.baseline_net = self._network_state()
+
+    def _take_workdir_baselines(self) -> None:
         self._release()
-        # The jail's work dir seen from outside, opened once (the path walks the zygote's root).
+        # The jail's work dir seen from outside, opened once per tmpfs (the path walks the zygote's
+        # root; an fd of the last one would keep it, and its pages, alive).
         with contextlib.suppress(OSError):
             self._workdir_fd = os.open(f"/proc/{self.zygote_pid}/root{WORKDIR}",
                                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.baseline_workdir = self._workdir_usage() or (0, 0)
         self.baseline_times = self._workdir_times()
-        self.baseline_net = self._network_state()
 
     def _release(self) -> None:
         if self._workdir_fd is not None:
@@ -264,6 +270,10 @@ class CallJail(JailProcess):
     def _verify(self, ready: Ready) -> str | None:
         if not ready.clean:
             return "the zygote could not wipe the work dir"
+        if ready.fresh_workdir:
+            self._take_workdir_baselines()
+            if self.baseline_workdir != self.empty_workdir:
+                return f"the fresh work dir holds {self.baseline_workdir} (inodes, blocks)"
         pids = self.cgroup.pids_current()
         expected = self.baseline_pids + (1 if ready.spare else 0)
         if pids != expected:
