@@ -315,9 +315,13 @@ class ExecResult(BaseModel):
     session: str | None = Field(None, description="the session this cell ran in")
     execution_count: int | None = Field(None, description="a session's cell number (Jupyter's In[n]/Out[n])")
     rolled_back: bool | None = Field(None, description="a session's cell stopped by a limit: the session is as "
-                                                       "before it (its written files stay, see written_files)")
+                                                       "before it, but for written_files and not_restored")
     written_files: list[str] | None = Field(None, description="files a rolled-back cell created, changed or deleted "
                                                          "(\"PATH (deleted)\"): they are not restored")
+    not_restored: list[str] | None = Field(None, description="what else a rolled-back cell shared with the session "
+                                                        "and the rollback could not put back: shared writable "
+                                                        "memory mappings (mmap, multiprocessing.Value), open files "
+                                                        "whose offset or flags it moved, pipes and sockets")
 
     _encoded: str | None = PrivateAttr(None)
 

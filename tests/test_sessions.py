@@ -167,6 +167,63 @@ async def test_files_a_rolled_back_cell_wrote_are_listed_and_remain(pool: SlotPo
         assert listing.value == "(['before.txt', 'd'], '2')"
 
 
+@pytest.mark.parametrize("before, cell_does, said, check, value", [
+    ("import mmap\nm = mmap.mmap(-1, 8)\nm[:8] = b'original'", "m[:8] = b'ESCAPED!'",
+     "1 shared writable memory mapping", "bytes(m[:8])", "b'ESCAPED!'"),
+    ("import multiprocessing\nv = multiprocessing.Value('i', 1, lock=False)", "v.value = 99",
+     "shared writable memory mapping", "v.value", "99"),
+    ("import os\nf = os.open('data.txt', os.O_RDWR | os.O_CREAT)\nos.write(f, b'x' * 10)",
+     "os.lseek(f, 5000, os.SEEK_SET)", "data.txt): its offset or flags as the cell left them (offset 5000, was 10)",
+     "os.lseek(f, 0, os.SEEK_CUR)", "5000"),
+    ("import os\nr, w = os.pipe()\nos.write(w, b'abc')", "os.read(r, 3)",
+     "pipe:", "os.write(w, b'd')\nos.read(r, 4)", "b'd'"),
+], ids=["mmap", "multiprocessing.Value", "file offset", "pipe"])
+async def test_a_rollback_says_what_it_could_not_restore(pool: SlotPool, before: str, cell_does: str, said: str,
+                                                         check: str, value: str) -> None:
+    # Finding 11: a cell is a fork of its session's process, so it shares the session's shared
+    # mappings and open file descriptions; a rollback cannot undo what it did through them.
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        assert (await cell(pool, s, before)).status == "ok"
+        stopped = await cell(pool, s, cell_does + "\nwhile True: pass", cpu_s=0.5)
+        assert stopped.rolled_back and stopped.status == "timeout", stopped
+        assert any(said in x for x in stopped.not_restored or []), stopped.not_restored
+        assert (await cell(pool, s, check)).value == value  # as the result said: it stayed
+
+
+async def test_a_rollback_that_could_restore_everything_says_so(pool: SlotPool) -> None:
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        assert (await cell(pool, s, "x = 1\nf = open('data.txt', 'w')")).status == "ok"
+        stopped = await cell(pool, s, "x = 2\nwhile True: pass", cpu_s=0.5)
+        assert stopped.rolled_back and stopped.not_restored == [] and stopped.written_files == [], stopped
+        kept = await cell(pool, s, "x")
+        assert kept.value == "1" and kept.not_restored is None and kept.written_files is None
+
+
+SOCKETS = """import os
+def sockets():
+    found = []
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            found += [fd] if os.readlink(f'/proc/self/fd/{fd}').startswith('socket:') else []
+        except OSError:
+            pass
+    return len(found)
+sockets()"""
+
+
+async def test_a_cell_holds_no_socket_but_its_own_channel(pool: SlotPool) -> None:
+    # The first session process kept the supervisor's end of its channel, and its cells and forks
+    # with it: a fork could read its parent's messages to the supervisor, or send it cells.
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        assert (await cell(pool, s, SOCKETS)).value == "1"
+        child = await m.fork(s.id)
+        assert (await cell(pool, child, SOCKETS)).value == "1"
+        assert (await cell(pool, s, "sockets()")).value == "1"
+
+
 async def test_a_fork_diverges_from_its_parent(pool: SlotPool) -> None:
     m = manager(pool)
     s = await m.create("light")

@@ -719,6 +719,7 @@ class SessionManager:
         result.rolled_back = not done.kept
         if not done.kept:
             result.written_files = [printable(p[:500]) for p in done.written]
+            result.not_restored = [printable(p[:300]) for p in done.unrestored]
         return result
 
     # --- views ----------------------------------------------------------------------------------

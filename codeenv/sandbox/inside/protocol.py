@@ -54,7 +54,7 @@ Family socket (worker <-> a family's supervisor; `Family`)::
     sup -> worker  {"op": "cell_over", "seq"}                    rolled back: the pre-cell process waits
     worker -> sup  {"op": "resume"}                              for the worker to lift the cell's limits
     sup -> worker  {"op": "cell_done", "seq", "kept", "wait_status", "exit_code", "timed_out",
-                    "killed", "wall_s", "lost", "written"}
+                    "killed", "wall_s", "lost", "written", "unrestored"}
     worker -> sup  {"op": "kill", "seq"}                         stop the running cell (rolled back)
     worker -> sup  {"op": "fork", "sid", "new_sid"}  ->  {"op": "forked", "new_sid", "ok"}
     worker -> sup  {"op": "close", "sid"}  ->  {"op": "closed", "sid"}
@@ -63,7 +63,8 @@ Family socket (worker <-> a family's supervisor; `Family`)::
 Session channel (supervisor <-> a session's process; `Session`)::
 
     sup -> session  {"op": "cell", ...} + 7 fds (`CellFd`: a call's 6, and the cell channel)
-    session -> sup  {"op": "reaped", "wait_status"}              its rolled-back cell's process is gone
+    session -> sup  {"op": "reaped", "wait_status", "unrestored"}  its rolled-back cell's process is gone
+                                                                 (and what the rollback could not restore)
     sup -> session  {"op": "fork", "sid", "new_sid"} + 1 fd      the new session's channel
     sup -> session  {"op": "reap"}                               a fork of its was closed: reap it
     session -> sup  {"op": "hello", "copied"}                    (on a new channel) a session started

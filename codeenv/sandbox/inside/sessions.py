@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 #: Time a pre-cell process has to report its cell's end after it is resumed.
 SESSION_REPLY_S = 2.0
+#: Things a rolled-back cell could not have restored, listed at most.
+UNRESTORED_MAX = 20
 #: Time the kernel has to show a stopped session's threads stopped.
 STOP_WAIT_S = 1.0
 
@@ -150,6 +152,53 @@ def thaw(pid: int) -> None:
     _signal(pid, signal.SIGCONT)
 
 
+def open_files(skip: set[int]) -> dict[int, tuple[int, int]]:
+    """Each open fd but `skip`: (offset, or -1 where it has none; status flags). A cell's process
+    shares them with the session's (a fork shares open file descriptions)."""
+    import fcntl
+
+    files = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in skip:
+            continue
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        try:
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+        except OSError:
+            offset = -1  # a pipe or a socket
+        files[fd] = (offset, flags)
+    return files
+
+
+def not_restored(before: dict[int, tuple[int, int]]) -> list[str]:
+    """What a rolled-back cell shared with the pre-cell process, which the rollback cannot put
+    back (said in the result, see `ExecResult.not_restored`): writable shared memory mappings (the
+    cell's writes to them stay), open files whose offset or flags it moved, and pipes and sockets
+    (what it read from or wrote to them stays read or written)."""
+    what = []
+    with open("/proc/self/maps") as f:
+        shared = sum(1 for line in f if (perms := line.split(None, 2)[1])[1] == "w" and perms[3] == "s")
+    if shared:
+        what.append(f"{shared} shared writable memory mapping(s) (mmap, multiprocessing.Value or Array): "
+                    "what the cell wrote there stays")
+    after = open_files(set())
+    for fd, (offset, flags) in sorted(before.items()):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = "?"
+        if offset < 0:
+            what.append(f"fd {fd} ({name}): what the cell read from it or wrote to it stays")
+        elif after.get(fd, (offset, flags)) != (offset, flags):
+            what.append(f"fd {fd} ({name}): its offset or flags as the cell left them "
+                        f"(offset {after[fd][0]}, was {offset})")
+    return what[:UNRESTORED_MAX]
+
+
 class SessionProcess:
     """A session's process: it waits for a cell (or a fork) on its channel. A cell's process that ends
     by itself, and a fork, carry on in this same loop (no call nests: a session lives through any
@@ -198,6 +247,7 @@ class SessionProcess:
         proc.reap_children()  # only the cell's process may be our child while it runs
         state = _random_state()
         threads = _threads()
+        opened = open_files({*fds, self.ch.fileno()})
         pid = proc.fork()
         if pid == 0:
             try:
@@ -217,7 +267,11 @@ class SessionProcess:
         except ChildProcessError:
             status = SETUP_FAILED << 8
         try:
-            proc.send(self.ch, {"op": Session.REAPED, "wait_status": status})
+            unrestored = not_restored(opened)
+        except BaseException as exc:  # what an earlier cell made of this process: say so, roll back anyway
+            unrestored = [f"(what the rollback could not restore was not found: {type(exc).__name__})"]
+        try:
+            proc.send(self.ch, {"op": Session.REAPED, "wait_status": status, "unrestored": unrestored})
         except OSError:
             proc.hard_exit(0)
 
@@ -341,12 +395,12 @@ class Supervisor:
             if attempt:
                 time.sleep(0.001)
 
-    def new_session(self, sid: int, make: Callable[[socket.socket], bool]) -> int | None:
-        """A session process: `make(theirs)` starts it in a child (forked here or by a session), which
+    def new_session(self, sid: int, make: Callable[[socket.socket, socket.socket], bool]) -> int | None:
+        """A session process: `make(theirs, ours)` starts it in a child (forked here or by a session), which
         says hello on `theirs`; returns its pid, or None."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        ok = make(theirs)
+        ok = make(theirs, ours)
         theirs.close()
         if not ok:
             ours.close()
@@ -499,6 +553,9 @@ class Supervisor:
             reply["lost"] = True
             return
         reply["wait_status"] = got["wait_status"]
+        unrestored = got.get("unrestored")  # the pre-cell process's word, for its own session only
+        if isinstance(unrestored, list):
+            reply["unrestored"] = [str(x)[:300] for x in unrestored[:UNRESTORED_MAX]]
         self.freeze_all()
         reply["written"] = workdir.changed(files_before, workdir.listing(session_dir(self.top, sid)))
 
@@ -510,7 +567,7 @@ class Supervisor:
         pid, ch = self.sessions[sid]
         thaw(pid)  # it forks the new session; both are stopped again after
 
-        def make(theirs: socket.socket) -> bool:
+        def make(theirs: socket.socket, _: socket.socket) -> bool:
             try:
                 socket.send_fds(ch, [encode({"op": Session.FORK, "sid": sid, "new_sid": new_sid})],
                                 [theirs.fileno()])
@@ -598,10 +655,11 @@ def _family_supervisor(sock: socket.socket, msg: dict[str, Any], pre: child.Prel
         proc.hard_exit(0)
     os.mkdir(session_dir(pre.workdir, 0), 0o700)
 
-    def first(theirs: socket.socket) -> bool:
+    def first(theirs: socket.socket, ours: socket.socket) -> bool:
         def body() -> None:
             try:
                 sock.close()
+                ours.close()  # the supervisor's end of our channel: no session, cell or fork may hold it
                 main = _prepare_session(pre)
                 ch = socket.socket(fileno=os.dup(theirs.fileno()))
                 theirs.close()

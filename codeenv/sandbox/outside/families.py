@@ -96,6 +96,7 @@ class CellDone:
     wall_s: float | None = None
     lost: bool = False  # the session's process is gone: nothing to roll back to
     written: tuple[str, ...] = ()  # files a rolled-back cell changed (they stay)
+    unrestored: tuple[str, ...] = ()  # what else of it the rollback could not put back
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> CellDone:
@@ -103,13 +104,14 @@ class CellDone:
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
         wall = msg.get("wall_s")
-        written = msg.get("written")
+        written, unrestored = msg.get("written"), msg.get("unrestored")
         return cls(kept=msg.get("kept") is True, wait_status=integer(msg.get("wait_status")) or 0,
                    exit_code=integer(msg.get("exit_code")), timed_out=msg.get("timed_out") is True,
                    killed=msg.get("killed") is True,
                    wall_s=float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else None,
                    lost=msg.get("lost") is True,
-                   written=tuple(str(p) for p in written[:100]) if isinstance(written, list) else ())
+                   written=tuple(str(p) for p in written[:100]) if isinstance(written, list) else (),
+                   unrestored=tuple(str(p) for p in unrestored[:20]) if isinstance(unrestored, list) else ())
 
     @property
     def wait_status_as_kept(self) -> int:
