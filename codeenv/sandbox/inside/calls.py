@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 FETCH_TIMEOUT_S = 5
 
 
+def _discard(spare: tuple[int, int, socket.socket]) -> None:
+    """Kill a spare child and reap it; close its pidfd and socket."""
+    pid, pidfd, sock = spare
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(pidfd)
+    sock.close()
+
+
 class CallZygote:
     """PID 1 of a call jail, once preloaded: its control socket, its work dir, its spare child."""
 
@@ -121,11 +130,7 @@ class CallZygote:
         restart. A spare was forked in the old namespace: it goes, and a new one is forked."""
         spare, self.spare = self.spare, None
         if spare is not None:
-            pid, pidfd, sock = spare
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(pidfd)
-            sock.close()
+            _discard(spare)
         try:
             proc.unshare(proc.CLONE_NEWNET)
             proc.loopback_up()
@@ -177,12 +182,9 @@ class CallZygote:
             try:
                 socket.send_fds(sock, [data], fds)
             except OSError:  # it died after all, before it got the call: fork a fresh child
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os.close(pidfd)
-                spare = None
-            sock.close()
-            if spare is not None:
+                _discard(spare)
+            else:
+                sock.close()
                 return pid, pidfd
         go_r, go_w = os.pipe()
 

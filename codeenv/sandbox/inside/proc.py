@@ -58,12 +58,9 @@ def set_child_subreaper() -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0, what="PR_SET_CHILD_SUBREAPER")
 
 
-def install_abi_filter(program_hex: str | None) -> None:
-    """Stack a seccomp filter (classic BPF, built by the worker) on nsjail's: it kills any call made
-    through a foreign ABI (the 32-bit entry, x32 numbers), and (a family's, a call child's) what only
-    the zygote may call. Fails closed: no filter, no zygote (or child)."""
-    if not program_hex:
-        return
+def _fprog(program_hex: str) -> tuple[object, object]:
+    """A seccomp filter program (classic BPF, hex) as prctl takes it: (struct sock_fprog, its buffer,
+    which must live as long as the struct is used)."""
     import ctypes
 
     program = ctypes.create_string_buffer(bytes.fromhex(program_hex))
@@ -71,22 +68,49 @@ def install_abi_filter(program_hex: str | None) -> None:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
+    return SockFprog(len(program.raw) // 8, ctypes.addressof(program)), program
+
+
+def _install(prog: tuple[object, object]) -> None:
+    """Stack `prog` (from `_fprog`: the struct and its buffer, both alive while the kernel copies it)."""
+    import ctypes
+
     # nsjail has set no_new_privs.
-    _prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), ctypes.c_ulong(0),
-           ctypes.c_ulong(0), what="PR_SET_SECCOMP")
+    _prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog[0]),  # type: ignore[arg-type]
+           ctypes.c_ulong(0), ctypes.c_ulong(0), what="PR_SET_SECCOMP")
 
 
-def drop_caps() -> None:
-    """Drop every capability of this process (permitted, effective, inheritable, and with them the
-    ambient set); raises OSError if the kernel refuses."""
+def install_abi_filter(program_hex: str | None) -> None:
+    """Stack a seccomp filter (classic BPF, built by the worker) on nsjail's: it kills any call made
+    through a foreign ABI (the 32-bit entry, x32 numbers), and (a family's) what only the set-up may
+    call. Fails closed: no filter, no zygote."""
+    if program_hex:
+        _install(_fprog(program_hex))
+
+
+class _Children:
+    """What a call jail's zygote does at each fork (see `children_drop_caps`, `hold_pid_counter`).
+    Everything a child needs is built here, once: a child only makes the system calls."""
+
+    drop_caps = False
+    #: capset's header and data (all capabilities empty), and the filter's sock_fprog and buffer.
+    capset_args: tuple[object, object] | None = None
+    fprog: tuple[object, object] | None = None
+    #: The jail's pid counter (ns_last_pid), written back to `last_pid` before each fork.
+    last_pid_fd: int | None = None
+    last_pid = b""
+
+
+def children_drop_caps(filter_hex: str | None) -> None:
+    """Every child forked from now on drops this process's capabilities and stacks `filter_hex`
+    (the calls only the zygote may make kill) before it does anything else."""
     import ctypes
 
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)  # this thread
     data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all empty
-    if libc().capset(header, data) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"capset: {os.strerror(err)}")
+    _Children.capset_args = (header, data)
+    _Children.fprog = _fprog(filter_hex) if filter_hex else None
+    _Children.drop_caps = True
 
 
 def unshare(flags: int) -> None:
@@ -110,23 +134,6 @@ def loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
-class _Children:
-    """What a call jail's zygote does at each fork (see `children_drop_caps`, `hold_pid_counter`)."""
-
-    drop_caps = False
-    filter_hex: str | None = None
-    #: The jail's pid counter (ns_last_pid), written back to `last_pid` before each fork.
-    last_pid_fd: int | None = None
-    last_pid = b""
-
-
-def children_drop_caps(filter_hex: str | None) -> None:
-    """Every child forked from now on drops this process's capabilities and stacks `filter_hex`
-    (the calls only the zygote may make kill) before it does anything else."""
-    _Children.drop_caps = True
-    _Children.filter_hex = filter_hex or None
-
-
 def hold_pid_counter(mount_point: str) -> None:
     """Keep the jail's pid counter (/proc/sys/kernel/ns_last_pid; the jail's /proc is read-only)
     through a /proc of our own, mounted at `mount_point` for a moment, and its present value: each
@@ -144,14 +151,20 @@ def hold_pid_counter(mount_point: str) -> None:
 
 
 def _first_in_child() -> None:
-    """A call jail's child, before anything else: no capability, no pid counter, the filter."""
+    """A call jail's child, before anything else: no capability (which empties the ambient set
+    too), no pid counter, the filter. Any failure ends the child."""
     if _Children.last_pid_fd is not None:
         os.close(_Children.last_pid_fd)
         _Children.last_pid_fd = None
     _Children.drop_caps = False  # for its own children: they inherit all of this
     try:
-        drop_caps()
-        install_abi_filter(_Children.filter_hex)
+        assert _Children.capset_args is not None
+        if libc().capset(*_Children.capset_args) != 0:
+            import ctypes
+
+            raise OSError(ctypes.get_errno(), "capset")
+        if _Children.fprog is not None:
+            _install(_Children.fprog)
     except BaseException as exc:
         log("a child could not drop its capabilities:", repr(exc))
         hard_exit(SETUP_FAILED)

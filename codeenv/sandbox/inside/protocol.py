@@ -26,8 +26,8 @@ Control socket (worker <-> zygote, fd CTL_FD in the jail; `Ctl`)::
                                                                 (folded into "exited", as "also_ready":
                                                                 true, when the call left nothing to wipe)
     worker -> zygote  {"op": "renew", "seq"}                    the call used the network: a fresh
-    zygote -> worker  {"op": "ready", "seq", "clean"}           network namespace (no restart), and a
-                                                                new spare forked in it
+    zygote -> worker  {"op": "ready", "seq", "clean"}           network namespace (no restart), and
+                                                                the spare (if any) forked again in it
     worker -> zygote  {"op": "ping"}  ->  {"op": "pong"}        liveness
   In a session jail, instead of calls:
     worker -> zygote  {"op": "create", "fid", "uid", ...} + 1 fd (the family socket)

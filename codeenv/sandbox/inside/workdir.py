@@ -251,8 +251,7 @@ class Workdir:
         inode counter included. Any entry made or removed, any mode, time or attribute set moves the
         dir's ctime, which no call can set back; a listing only moves its atime, put back here."""
         st = os.stat(self.path)
-        if (st.st_ctime_ns != self.ctime or self.usage() != self.baseline or stat.S_IMODE(st.st_mode) != 0o700
-                or os.listxattr(self.path)):
+        if st.st_ctime_ns != self.ctime or not self.untouched(st):
             return False
         if (st.st_atime_ns, st.st_mtime_ns) != self.times:
             self.reset_times()
@@ -283,9 +282,10 @@ class Workdir:
         except OSError:
             pass
 
-    def untouched(self) -> bool:
-        return (self.usage() == self.baseline and stat.S_IMODE(os.stat(self.path).st_mode) == 0o700
-                and not os.listxattr(self.path))
+    def untouched(self, st: os.stat_result | None = None) -> bool:
+        """Its usage, mode and attributes as at start (`st`: the dir's stat, if made already)."""
+        st = st or os.stat(self.path)
+        return self.usage() == self.baseline and stat.S_IMODE(st.st_mode) == 0o700 and not os.listxattr(self.path)
 
     def clean(self, timeout_s: float) -> bool:
         """Make the work dir as it was at start; True if it is."""
