@@ -20,8 +20,10 @@ from tests.conftest import start_service
 pytestmark = [pytest.mark.jail, pytest.mark.slow]
 
 GRACE_S = 6.0
-#: Two slots: the first two run (one ends within the grace period, one would not), two wait.
-SLEEPS = (2, 30, 1, 1)
+#: Two slots: two calls run, two wait. Whichever two the slots take first, none ends before the stop has
+#: reached the slots (so the two waiting are never started), and each but the 30 s one ends within the
+#: grace period.
+SLEEPS = (3, 30, 3, 3)
 
 
 async def call(c: httpx.AsyncClient, seconds: float) -> dict[str, Any]:
@@ -32,11 +34,22 @@ async def call(c: httpx.AsyncClient, seconds: float) -> dict[str, Any]:
     return body
 
 
-async def stop_under_load(service: Service, sig: int, second: bool = False) -> list[dict[str, Any]]:
+def _gauge(metrics: str, name: str) -> float:
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
+
+
+async def stop_under_load(service: Service, sig: int, second: bool = False,
+                          slots_gauge: bool = True) -> list[dict[str, Any]]:
     service.wait_ready()
     async with httpx.AsyncClient(base_url=service.url, timeout=60) as c:
         calls = [asyncio.create_task(call(c, s)) for s in SLEEPS]
-        await asyncio.sleep(1.0)  # the first two hold the slots
+        deadline = time.monotonic() + 30
+        # Two calls hold the slots and two wait (with Redis the gauges are the workers' last heartbeat).
+        while slots_gauge and not (_gauge(text := (await c.get("/metrics")).text, "codeenv_free_slots") == 0
+                                   and _gauge(text, "codeenv_waiting") == 2):
+            assert time.monotonic() < deadline, "the calls never took both slots"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2 if slots_gauge else 1.0)
         t0 = time.monotonic()
         service.proc.send_signal(sig)  # type: ignore[union-attr]
         if second:
@@ -74,7 +87,7 @@ async def test_a_stop_signal_answers_every_call_within_the_grace_period(tmp_path
     # The slots take the calls in the order their requests reach the gateway, which is not the order
     # they were sent: the 30 s call is stopped if it started, and not run if it did not.
     assert statuses[1] in ("killed", "overloaded"), results
-    assert statuses.count("ok") >= 1 and statuses.count("killed") <= 1 and statuses.count("overloaded") >= 1, results
+    assert statuses.count("ok") >= 1 and statuses.count("killed") <= 1 and statuses.count("overloaded") == 2, results
     no_traceback(log)
 
 
@@ -98,7 +111,7 @@ async def test_a_stop_signal_with_redis_answers_every_call(tmp_path: Path, redis
     service = start_service("serve", "--slots", "2", "--log-format", "text", "--redis", redis_server.url, log=log,
                             CODEENV_SHUTDOWN_GRACE_S=str(GRACE_S), CODEENV_REDIS_PREFIX=f"stop{time.time_ns()}")
     try:
-        results = await stop_under_load(service, signal.SIGTERM)
+        results = await stop_under_load(service, signal.SIGTERM, slots_gauge=False)
     finally:
         service.kill()
     statuses = sorted(r["status"] for r in results)
