@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from codeenv.api import compat, contract, judging, native, routers, sessions
-from codeenv.api.body import BodyParser
+from codeenv.api.body import BodyParser, return_large_frees
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
@@ -88,6 +88,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        return_large_frees()  # what a large body took goes back to the system with it
         if worker is not None:
             await worker.start()
         try:
