@@ -115,6 +115,10 @@ class SandboxSettings(BaseSettings):
     session_spares: bool = Field(True, description="keep one family per profile started ahead of demand, so "
                                  "that creating a session only takes it")
     session_forks_max: int = Field(64, ge=1, description="sessions in one family (a session and its forks)")
+    session_forks_apart: bool = Field(True, description="each fork runs in a Landlock domain of its own: it "
+                                      "can signal or trace no process of the session it was forked from, nor of "
+                                      "that one's other forks (Linux 6.12 or later; without it forks are refused "
+                                      "unless this is false). A fork 16 generations deep is refused")
     session_idle_ttl_s: float = Field(600, gt=0, description="a session idle this long ends (default 10 minutes)")
     session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")
     session_memory_mb: int = Field(1024, gt=0, description="memory cap of one family (a session and its forks), "

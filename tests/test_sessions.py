@@ -3,6 +3,7 @@ isolation between sessions and between a session and a call. Real jails, real pr
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -650,6 +651,67 @@ async def test_a_cell_that_kills_its_session_loses_only_its_own_family(pool: Slo
         for sid in (s.id, other.id):
             if sid in m.sessions:
                 await m.delete(sid)
+
+
+#: A cell that tries to reach every process of its family it can see: signal each (but its own
+#: pre-cell process and the supervisor, PID 1, whom no signal reaches), read its memory and
+#: environment, then kill(-1).
+REACH_ALL = """
+import os, signal
+mine = {os.getpid(), os.getppid(), 1}
+seen, signalled, opened = [], [], []
+for p in os.listdir('/proc'):
+    if p.isdigit() and int(p) not in mine:
+        seen.append(int(p))
+        try:
+            os.kill(int(p), signal.SIGKILL); signalled.append(int(p))
+        except OSError:
+            pass
+        for f in ('mem', 'environ', 'maps'):
+            try:
+                with open(f'/proc/{p}/{f}', 'rb') as fh:
+                    if fh.read(1):  # a zombie's open, with nothing to read, is no reach
+                        opened.append((p, f))
+            except OSError:
+                pass
+try:
+    os.kill(-1, signal.SIGKILL)
+except OSError:
+    pass
+(len(seen), signalled, opened)
+"""
+
+
+async def test_a_fork_reaches_no_process_of_its_family_but_its_own(pool: SlotPool) -> None:
+    """Issue 34: under GRPO a rollout gains when its siblings' rewards fall. A fork that signals,
+    reads or kills every process it can see leaves the session it came from and its sibling as
+    they were."""
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        await cell(pool, s, "x = 'parent'")
+        attacker, sibling = await m.fork(s.id), await m.fork(s.id)
+        await cell(pool, sibling, "x = 'sibling'")
+        attack = await cell(pool, attacker, REACH_ALL)
+        assert attack.status == "ok", attack
+        seen, signalled, opened = ast.literal_eval(attack.value)
+        assert seen >= 2 and signalled == [] and opened == [], attack.value  # it saw them, reached none
+        assert (await cell(pool, s, "x")).value == "'parent'"
+        assert (await cell(pool, sibling, "x")).value == "'sibling'"
+        assert (await cell(pool, attacker, "x")).value == "'parent'"  # its kill(-1) took only its own
+
+
+async def test_a_fork_sixteen_generations_deep_is_the_last(pool: SlotPool) -> None:
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        await cell(pool, s, "x = 0")
+        last = s
+        for _ in range(16):
+            last = await m.fork(last.id)
+        assert (await cell(pool, last, "x")).value == "0"
+        with pytest.raises(SessionError) as refused:
+            await m.fork(last.id)
+        assert refused.value.kind is SessionErrorKind.conflict and "16 generations" in str(refused.value)
+        assert (await cell(pool, last, "x + 1")).value == "1"
 
 
 async def test_a_cell_the_kernel_will_not_keep_in_its_cgroup_ends_its_family(

@@ -153,6 +153,10 @@ ALWAYS_ALLOWED = ("restart_syscall",)
 #: give each family its namespaces, mounts and uid. Each supervisor stacks `family_filter` before any
 #: session process exists, so no user code can make these calls (they kill it, or answer ENOSYS).
 SESSION_SETUP = ("unshare", "mount", "setresuid", "setresgid", "setgroups")
+#: landlock_create_ruleset and landlock_restrict_self (the same numbers on every architecture): a
+#: session's fork enters a Landlock domain of its own (`inside.proc.enter_own_domain`). A cell may
+#: make them too: they can only restrict the caller.
+LANDLOCK = ("SYSCALL[444]", "SYSCALL[446]")
 #: What a call jail's zygote needs on top of the image's list: a fresh network namespace (unshare)
 #: after a call used the network, and its own mount of /proc (mount, umount2: Kafel's "umount") for
 #: the pid counter; its children drop the capabilities these need (capset: with none left, it can
@@ -162,14 +166,14 @@ CALL_SETUP = ("unshare", "mount", "umount", "capset")
 
 def policy(mode: str, allowed: list[str], sessions: bool = False, calls: bool = False) -> str:
     """The Kafel policy of a jail in `mode` with the image's `allowed` calls (of a session jail:
-    with SESSION_SETUP allowed too; of a call jail whose zygote keeps capabilities: CALL_SETUP)."""
+    with SESSION_SETUP and LANDLOCK allowed too; of a call jail whose zygote keeps capabilities: CALL_SETUP)."""
     if mode == "legacy":
         return LEGACY_POLICY
     if mode not in MODES:
         raise ValueError(f"unknown seccomp mode {mode!r}; choose from {', '.join(MODES)}")
     killed: tuple[str, ...] = KILLED
     allowed = sorted({*allowed, *ALWAYS_ALLOWED})
-    for setup, wanted in ((SESSION_SETUP, sessions), (CALL_SETUP, calls)):
+    for setup, wanted in ((SESSION_SETUP + LANDLOCK, sessions), (CALL_SETUP, calls)):
         if wanted:
             killed = tuple(name for name in killed if name not in setup)
             allowed = sorted({*allowed, *setup})

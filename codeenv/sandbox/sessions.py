@@ -511,8 +511,12 @@ class SessionManager:
                     raise session_lost(session_id, family.ended)
                 index = family.next_index
                 family.next_index += 1
-                forked = await self._ask(family, family.channel.fork(session.index, index,
-                                                                     s.control_timeout_s + s.cleanup_timeout_s))
+                forked, refused = await self._ask(family, family.channel.fork(
+                    session.index, index, s.session_forks_apart, s.control_timeout_s + s.cleanup_timeout_s))
+                if refused is not None:
+                    raise SessionError(f"the session cannot be forked: its fork would be {refused}; "
+                                       "CODEENV_SESSION_FORKS_APART=false makes forks that share their family's "
+                                       "domain", SessionErrorKind.conflict)
                 if not forked:
                     raise SessionError("the session could not be forked (its process is gone)", SessionErrorKind.ended)
                 child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,

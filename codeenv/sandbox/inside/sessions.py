@@ -21,6 +21,7 @@ nothing between cells whatever it announced. The channels are drawn in protocol.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import select
@@ -276,8 +277,19 @@ class SessionProcess:
             proc.hard_exit(0)
 
     def forked(self, ch_fd: int, msg: dict[str, Any]) -> None:
-        """A new session made from this one's state: it copies its dir and takes its channel."""
+        """A new session made from this one's state: it enters a Landlock domain of its own (unless
+        the worker says not to), copies its dir and takes its channel. In its own domain it can
+        signal or trace none of the family's processes but its own: not the session it was forked
+        from, nor that one's other forks, cells and subprocesses."""
         self.ch = socket.socket(fileno=ch_fd)
+        if msg.get("apart"):
+            try:
+                proc.enter_own_domain()
+            except OSError as exc:
+                why = "16 generations deep (Landlock's most)" if exc.errno == errno.E2BIG else \
+                    f"this kernel cannot keep it apart from its family ({exc.strerror}: Landlock ABI 6, Linux 6.12)"
+                proc.send(self.ch, {"op": Session.HELLO, "refused": why})
+                proc.hard_exit(SETUP_FAILED)
         ok = True
         try:
             workdir.copy_tree(session_dir(self.top, msg["sid"]), session_dir(self.top, msg["new_sid"]))
@@ -370,6 +382,8 @@ class Supervisor:
         self.top = top
         self.cleanup_timeout_s = cleanup_timeout_s
         self.sessions: dict[int, tuple[int, socket.socket]] = {}
+        #: Why the last session started did not (its own word), if it said.
+        self.refused: str | None = None
 
     def session_pids(self) -> set[int]:
         return {pid for pid, _ in self.sessions.values()}
@@ -413,7 +427,9 @@ class Supervisor:
             data, pid = _sender_pid(ours)
         except OSError:
             data, pid = b"", None
-        if not data or pid is None:
+        hello = decode(data) if data else None
+        if hello is None or pid is None or hello.get("refused") is not None:
+            self.refused = str(hello.get("refused"))[:300] if hello is not None and hello.get("refused") else None
             ours.close()
             return None
         self.sessions[sid] = (pid, ours)
@@ -566,18 +582,25 @@ class Supervisor:
             return {"op": Family.FORKED, "new_sid": new_sid, "ok": False}
         pid, ch = self.sessions[sid]
         thaw(pid)  # it forks the new session; both are stopped again after
+        self.refused = None
+        fork = {"op": Session.FORK, "sid": sid, "new_sid": new_sid, "apart": msg.get("apart") is True}
 
         def make(theirs: socket.socket, _: socket.socket) -> bool:
             try:
-                socket.send_fds(ch, [encode({"op": Session.FORK, "sid": sid, "new_sid": new_sid})],
-                                [theirs.fileno()])
+                socket.send_fds(ch, [encode(fork)], [theirs.fileno()])
                 return True
             except OSError:
                 return False
 
         ok = self.new_session(new_sid, make) is not None
+        if not ok:
+            proc.reap_children()
+            try:  # a fork that refused itself has exited: its parent reaps it
+                ch.send(encode({"op": Session.REAP}))
+            except OSError:
+                pass
         self.freeze_all()
-        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok}
+        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok, "refused": self.refused}
 
     def end(self, sid: object) -> None:
         pid, ch = self.sessions.pop(sid, (None, None)) if isinstance(sid, int) else (None, None)

@@ -153,9 +153,12 @@ class FamilyChannel:
         """The supervisor is in its cgroup: its first session may start."""
         await self.ask({"op": Family.GO}, Family.READY, timeout)
 
-    async def fork(self, sid: int, new_sid: int, timeout: float) -> bool:
-        got = await self.ask({"op": Family.FORK, "sid": sid, "new_sid": new_sid}, Family.FORKED, timeout)
-        return got.get("ok") is True
+    async def fork(self, sid: int, new_sid: int, apart: bool, timeout: float) -> tuple[bool, str | None]:
+        """(made, why not: the fork's own word, if it said)."""
+        got = await self.ask({"op": Family.FORK, "sid": sid, "new_sid": new_sid, "apart": apart}, Family.FORKED,
+                             timeout)
+        refused = got.get("refused")
+        return got.get("ok") is True, str(refused) if refused else None
 
     async def close(self, sid: int, timeout: float) -> None:
         await self.ask({"op": Family.CLOSE, "sid": sid}, Family.CLOSED, timeout)
