@@ -293,6 +293,28 @@ def check_seccomp(report: Report) -> None:
         report.add("seccomp", Level.fail, f"cannot install a filter: {error}{note}")
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 without Landlock (not built, or not among the active LSMs)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    version = libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # ..._VERSION
+    return max(0, int(version))
+
+
+def check_landlock(report: Report, settings: SandboxSettings) -> None:
+    abi = landlock_abi()
+    if abi >= 6:
+        report.add("session forks apart", Level.ok, f"Landlock ABI {abi}: each fork gets a domain of its own")
+    elif not settings.session_forks_apart:
+        report.add("session forks apart", Level.warn, f"off (CODEENV_SESSION_FORKS_APART=false; Landlock ABI "
+                                                      f"{abi}): a session's forks can signal each other")
+    else:
+        report.add("session forks apart", Level.warn, f"Landlock ABI {abi or 'absent'} has no scopes (6, Linux "
+                                                      "6.12): session forks are refused; upgrade the kernel, or "
+                                                      "set CODEENV_SESSION_FORKS_APART=false to share a domain")
+
+
 def check_bpf(report: Report) -> None:
     value = (_read(Path("/proc/sys/kernel/unprivileged_bpf_disabled")) or "").strip()
     if value == "0":
@@ -444,6 +466,7 @@ def run_checks(settings: SandboxSettings) -> Report:
     check_socket_memory(report, settings, layout)
     uid = check_uids(report, settings, settings.slots)
     check_nsjail(report, settings, image, uid)  # the pool's start check: one jail
+    check_landlock(report, settings)
     check_bpf(report)
     check_core_pattern(report)
     check_host_baseline(report)

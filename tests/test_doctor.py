@@ -86,3 +86,20 @@ def test_v2_plan_is_reported_not_carried_out(tmp_path: Path) -> None:
                              f"{tmp_path} into codeenv-supervisor, then enable +memory +pids +cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cgroup.controllers", "cgroup.procs",
                                                           "cgroup.subtree_control"]
+
+
+@pytest.mark.parametrize("abi, apart, level, says", [
+    (7, True, Level.ok, "domain of its own"),
+    (5, True, Level.warn, "forks are refused"),
+    (0, False, Level.warn, "can signal each other"),
+])
+def test_the_doctor_says_whether_session_forks_are_kept_apart(
+        monkeypatch: pytest.MonkeyPatch, abi: int, apart: bool, level: Level, says: str) -> None:
+    from codeenv import doctor as module
+    from codeenv.doctor import Report, check_landlock
+
+    monkeypatch.setattr(module, "landlock_abi", lambda: abi)
+    report = Report()
+    check_landlock(report, SandboxSettings(session_forks_apart=apart))
+    (check,) = report.checks
+    assert (check.status, check.name) == (level, "session forks apart") and says in check.detail, check
