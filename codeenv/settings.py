@@ -121,8 +121,8 @@ class SandboxSettings(BaseSettings):
                                       "unless this is false). A fork 16 generations deep is refused")
     session_idle_ttl_s: float = Field(600, gt=0, description="a session idle this long ends (default 10 minutes)")
     session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")
-    session_memory_mb: int = Field(1024, gt=0, description="memory cap of one family (a session and its forks), "
-                                   "its processes and files together")
+    session_memory_mb: int = Field(1024, gt=0, description="memory cap of one session (a fork has its own): its "
+                                   "processes and the files they wrote together")
     session_workdir_mb: int = Field(64, gt=0, description="size of a family's work dir (tmpfs)")
     session_cpu_share: float = Field(0.5, gt=0, le=1, description="the most of the host's CPUs that running cells "
                                      "take together, and what they are sure of when calls want the rest "

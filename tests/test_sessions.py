@@ -67,9 +67,10 @@ SLEEPER = "[sys.executable, '-c', 'import time; time.sleep(60)']"
 
 
 async def cell_running(session: Session) -> None:
-    """Until a cell of `session` runs: its process is in the family's cell cgroup (where the worker
-    moves it once the cell has started), seen from outside."""
-    await until(lambda: bool(session.family.cell.procs()), "the cell started", 10)
+    """Until a cell of `session` runs: its process is in the session's group beside the pre-cell
+    process, seen from outside."""
+    group = session.family.groups[session.index]
+    await until(lambda: len(group.procs()) > 1, "the cell started", 10)
 
 
 async def gone(m: SessionManager, session: Session) -> None:
@@ -529,7 +530,7 @@ async def test_a_familys_socket_buffers_are_capped_across_its_cells(pool: SlotPo
         if m.tree.version == 1:  # set on every group of the family before its first process
             limits = [int((d / "memory.kmem.tcp.limit_in_bytes").read_text()) for d in (
                 m.tree.bases["memory"] / FAMILIES_GROUP, *(Path(g.memory) for g in (  # type: ignore[attr-defined]
-                    s.family.cgroup, s.family.main, s.family.cell)))]
+                    s.family.cgroup, s.family.main, s.family.groups[0])))]
             assert limits == [families_socket_memory_limit(m.settings)] + [socket_memory_limit(m.settings)] * 3
         first = await cell(pool, s, SOCKET_FLOOD, wall_s=30, memory_mb=128)
         assert first.status == "ok" and not first.rolled_back, first
@@ -714,34 +715,54 @@ async def test_a_fork_sixteen_generations_deep_is_the_last(pool: SlotPool) -> No
         assert (await cell(pool, last, "x + 1")).value == "1"
 
 
-async def test_a_cell_the_kernel_will_not_keep_in_its_cgroup_ends_its_family(
+async def test_a_fork_the_kernel_will_not_keep_in_its_cgroup_ends_its_family(
         pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cell must not run without its own limits (on cgroup v1 in a user namespace the kernel
-    refuses such moves): it is stopped, and its family ends, saying why."""
+    """A fork must not run without its own caps (on cgroup v1 in a user namespace the kernel refuses
+    such moves): its family ends, saying why."""
     m = manager(pool)
     s = await m.create("light")
-    fork = await m.fork(s.id)
+    other = await m.fork(s.id)
     try:
         await cell(pool, s, "x = 1")
         move = Family.move
 
-        def refuse_cell(family: Family, pids: Any, to: Any) -> None:
-            if to is family.cell and pids:
+        def refuse_forks(family: Family, pids: Any, to: Any) -> None:
+            if to is not family.main and to is not family.groups.get(0) and pids:
                 raise SandboxError("cannot move a session's process into its cgroup (Permission denied)")
             move(family, pids, to)
 
-        monkeypatch.setattr(Family, "move", refuse_cell)
-        result = await cell(pool, s, "import time\ntime.sleep(30)")
-        assert result.status == "session_lost" and result.wall_s < 10, result
-        assert "could not be kept in its cgroup" in (result.message or "") and "Permission denied" in result.message
+        monkeypatch.setattr(Family, "move", refuse_forks)
+        with pytest.raises(SessionError) as lost:
+            await m.fork(s.id)
+        assert lost.value.kind is SessionErrorKind.ended and "could not be kept in its cgroup" in str(lost.value)
+        assert "Permission denied" in str(lost.value)
         monkeypatch.undo()
         assert (await cell(pool, s, "x")).status == "session_lost"
-        assert (await cell(pool, fork, "x")).status == "session_lost"  # the whole family
+        assert (await cell(pool, other, "x")).status == "session_lost"  # the whole family
         await gone(m, s)
     finally:
-        for sid in (s.id, fork.id):
+        for sid in (s.id, other.id):
             if sid in m.sessions:
                 await m.delete(sid)
+
+
+async def test_what_a_fork_keeps_counts_in_its_own_memory_cap(pool: SlotPool) -> None:
+    """Issue 34: a fork that keeps as much memory as its cap allows leaves its parent and sibling
+    their whole cap: each session of a family has a memory cap of its own."""
+    m = manager(pool)
+    cap_mb = m.settings.session_memory_mb  # the default: 1024
+    grab = f"hog = b'x' * ({cap_mb - 128} << 20)\nlen(hog) >> 20"  # every page written: charged
+    async with new_session(m, "light") as s:
+        await cell(pool, s, "x = 'parent'")
+        hog, sibling = await m.fork(s.id), await m.fork(s.id)
+        kept = await cell(pool, hog, grab, memory_mb=cap_mb)
+        assert kept.status == "ok" and kept.value == str(cap_mb - 128), kept
+        over = await cell(pool, hog, "more = b'x' * (256 << 20)", memory_mb=cap_mb)  # past its own cap
+        assert over.status == "memory" and over.rolled_back, over
+        for other in (s, sibling):  # each may still take nearly its whole cap
+            big = await cell(pool, other, grab, memory_mb=cap_mb)
+            assert big.status == "ok" and big.value == str(cap_mb - 128), big
+            assert (await cell(pool, other, "del hog\nx")).value == "'parent'"
 
 
 # --- the API and the client ---------------------------------------------------------------------

@@ -36,7 +36,8 @@ FD_RESERVE = 1024
 IDLE_FAMILY_BYTES = 8 << 20
 #: Processes of an idle family (supervisor, session process, and a fork's).
 PIDS_PER_FAMILY = 4
-#: Memory cgroups of a family (family, main, cell); the kernel numbers memory cgroups in 16 bits.
+#: Memory cgroups of a family of one session (family, main, s0; each fork adds one, so a session
+#: never costs more than this); the kernel numbers memory cgroups in 16 bits.
 MEMORY_CGROUPS_PER_FAMILY = 3
 MEMORY_CGROUP_IDS = 65_535
 PID_MAX = Path("/proc/sys/kernel/pid_max")

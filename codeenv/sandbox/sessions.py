@@ -3,12 +3,14 @@
 A session lives in a *family* (the session and its forks). Each family is a fork of its profile's
 session zygote, in a session jail (`jail.session_jail_config`): PID 1 of its own pid, mount, network
 and IPC namespaces, with its own host uid, its own work dir (a tmpfs only it can see) and its own
-cgroup (memory, pids, CPU), set up before any of its code runs (see sandbox/inside/sessions.py;
+cgroup (pids, CPU; and one per session below it, memory), set up before any of its code runs (see sandbox/inside/sessions.py;
 the family's socket is outside/families.py). So one family cannot see, signal, trace, read, connect
 to or leave anything for another, nor for a call: calls run in other jails, under other uids.
+Within a family, each fork is in a Landlock domain of its own: it reaches no process but its own.
 
 The worker owns every limit and lifetime: per-cell limits (the family's cgroup, its CPU clock read
-here, the supervisor's wall clock with this worker's behind it), a per-family memory and pids cap,
+here, the supervisor's wall clock with this worker's behind it), a per-session memory cap, a
+per-family pids cap,
 an idle TTL and a maximum lifetime, a maximum number of sessions, and eviction of the least
 recently used idle family when available memory runs low. When a family ends, its supervisor is
 killed (and with it, by the kernel, every process of its pid namespace), its cgroup removed and its
@@ -72,8 +74,11 @@ ENDED_KEPT = 100_000
 CELL_IDS_KEPT = 64
 #: Processes a family's supervisor and idle sessions need on top of a cell's own.
 FAMILY_PIDS = 4
+#: Processes in a new session's group: its process, and a fork's while it is made (from its first
+#: cell on: the tasks it holds and the cell's limit).
+SESSION_PIDS = 2
 #: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
-#: main and cell.
+#: main (its supervisor) and sN (session N's process and its cells').
 FAMILIES_GROUP = "families"
 #: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
 #: cells take besides their families' idle share.
@@ -92,10 +97,11 @@ SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24}
 class Family:
     """One family on the worker's side: its supervisor's socket and pidfd, its uid, and its cgroups.
 
-    `cgroup` holds the family's caps (memory, pids, CPU). Below it, `main` holds its processes
-    between cells, and `cell` a running cell's: the cell's own limits are `cell`'s, so a cell that
-    runs out of memory or processes meets them alone, never the supervisor or the pre-cell process
-    (whose memory, copied on write, the cell's own would otherwise compete with)."""
+    `cgroup` holds the family's CPU cap and its pids cap. Below it, `main` holds the supervisor, and
+    `groups[N]` session N's process and its cells': each session has a memory cap of its own
+    (`memory_cap`), so what one keeps never leaves a sibling's cells less. While a cell runs its
+    session's group has the cell's limits; the cell's processes are the first the OOM killer takes
+    there, before the stopped pre-cell process."""
 
     fid: int
     uid_index: int
@@ -104,7 +110,7 @@ class Family:
     pidfd: int
     cgroup: JailCgroup
     main: JailCgroup
-    cell: JailCgroup
+    groups: dict[int, JailCgroup]
     memory_cap: int
     sessions: dict[int, Session] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -129,13 +135,13 @@ class Family:
                                        f"({exc.strerror}); it would run without its limits") from exc
 
     def remove_cgroups(self) -> None:
-        for group in (self.cell, self.main, self.cgroup):  # children first
+        for group in (*self.groups.values(), self.main, self.cgroup):  # children first
             group.remove()
 
     def close_files(self) -> None:
         """Between cells the family holds no cgroup file open: an idle family costs the worker two
         fds (its socket and pidfd), whatever its groups' control files a cell reads."""
-        for group in (self.cell, self.main, self.cgroup):
+        for group in (*self.groups.values(), self.main, self.cgroup):
             group.close_files()
 
     @property
@@ -177,6 +183,21 @@ def _pidfd_pid(pidfd: int) -> int:
             if line.startswith("Pid:"):
                 return int(line.split()[1])
     raise SandboxError("the kernel does not say which process a pidfd refers to")
+
+
+def _host_pid(candidates: Iterable[int], ns_pid: int) -> int | None:
+    """Which of `candidates` (pids in our namespace) is `ns_pid` in its own innermost pid namespace."""
+    for pid in candidates:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                if line.split()[-1] == str(ns_pid):
+                    return pid
+                break
+    return None
 
 
 def _mem_available() -> int:
@@ -403,11 +424,10 @@ class SessionManager:
             parent = self._families_group()
             groups.append(cgroup := self.tree.group(f"{parent.name}/family{fid}"))
             memory_cap = s.session_memory_mb << 20
-            cgroup.set_memory_limit(memory_cap)
-            cgroup.set_pids_max(FAMILY_PIDS + s.caps.processes * 2)
+            cgroup.set_pids_max(FAMILY_PIDS + s.session_forks_max + s.caps.processes * 2)
             cgroup.set_cpu_limit(s.cpus_per_call)
             cgroup.delegate()
-            groups += [self.tree.group(f"{cgroup.name}/main"), self.tree.group(f"{cgroup.name}/cell")]
+            groups += [self.tree.group(f"{cgroup.name}/main"), self._session_group(cgroup, 0, memory_cap)]
             # Before the family's first process, so before its first socket (cgroup v1 charges a
             # socket to its creator's group only if that group has a TCP limit, and to nothing
             # otherwise): the family's cap, which counts in the families' common one.
@@ -419,12 +439,13 @@ class SessionManager:
                 await asyncio.to_thread(group.remove)
             self._free_uids.append(uid_index)
             raise
-        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, groups[1], groups[2], memory_cap)
+        family = Family(fid, uid_index, jail, sock, pidfd, cgroup, groups[1], {0: groups[2]}, memory_cap)
         self.families[fid] = family
         try:
             host_pid = _pidfd_pid(pidfd)
             family.move([host_pid], family.main)
-            await self._ask(family, family.channel.go(s.control_timeout_s + s.zygote_start_timeout_s / 10))
+            first = await self._ask(family, family.channel.go(s.control_timeout_s + s.zygote_start_timeout_s / 10))
+            family.move([self._found(family.main, first)], family.groups[0])
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
             write_oom_score(host_pid, b"-1000")
@@ -435,6 +456,29 @@ class SessionManager:
                 raise SandboxError(f"a session could not start: {exc!r}") from exc
             raise
         return family
+
+    def _session_group(self, family_group: JailCgroup, index: int, memory_cap: int) -> JailCgroup:
+        """Session `index`'s group below its family's: its own memory cap, and pids for its process and
+        a fork's while it is made (a cell's limits replace them while it runs)."""
+        group = self.tree.group(f"{family_group.name}/s{index}")
+        try:
+            group.set_memory_limit(memory_cap)
+            group.set_pids_max(SESSION_PIDS)
+            # Before its first process, so before its first socket (cgroup v1 charges a socket to its
+            # creator's group only if that group has a TCP limit, and to nothing otherwise).
+            group.set_socket_memory_limit(socket_memory_limit(self.settings))
+        except BaseException:
+            group.remove()
+            raise
+        return group
+
+    @staticmethod
+    def _found(group: JailCgroup, ns_pid: int) -> int:
+        """The pid here of the session process the supervisor named (`ns_pid`), which is in `group`."""
+        pid = _host_pid(group.procs(), ns_pid)
+        if pid is None:
+            raise SandboxError(f"the session process {ns_pid} of the family is not in its group {group.name}")
+        return pid
 
     async def _ask[T](self, family: Family, request: Awaitable[T]) -> T:
         """A request to the family's supervisor (FamilyChannel) and its reply; SessionError 410 if
@@ -493,6 +537,14 @@ class SessionManager:
             with contextlib.suppress(SessionError):
                 await self._ask(family, family.channel.close(
                     session.index, self.settings.control_timeout_s + self.settings.cleanup_timeout_s))
+            await self._drop_group(family, session.index)
+
+    @staticmethod
+    async def _drop_group(family: Family, index: int) -> None:
+        """Remove a session's group once it left the family (kills whatever of it is left)."""
+        group = family.groups.pop(index, None)
+        if group is not None:
+            await asyncio.to_thread(group.remove)
 
     async def fork(self, session_id: str, owner: bytes = b"") -> Session:
         """A new session in the same family (and of the same owner), from this one's state (after its
@@ -511,14 +563,30 @@ class SessionManager:
                     raise session_lost(session_id, family.ended)
                 index = family.next_index
                 family.next_index += 1
-                forked, refused = await self._ask(family, family.channel.fork(
-                    session.index, index, s.session_forks_apart, s.control_timeout_s + s.cleanup_timeout_s))
-                if refused is not None:
-                    raise SessionError(f"the session cannot be forked: its fork would be {refused}; "
-                                       "CODEENV_SESSION_FORKS_APART=false makes forks that share their family's "
-                                       "domain", SessionErrorKind.conflict)
-                if not forked:
-                    raise SessionError("the session could not be forked (its process is gone)", SessionErrorKind.ended)
+                family.groups[index] = group = await asyncio.to_thread(
+                    self._session_group, family.cgroup, index, family.memory_cap)
+                try:
+                    forked, refused = await self._ask(family, family.channel.fork(
+                        session.index, index, s.session_forks_apart, s.control_timeout_s + s.cleanup_timeout_s))
+                    if refused is not None:
+                        raise SessionError(f"the session cannot be forked: its fork would be {refused}; "
+                                           "CODEENV_SESSION_FORKS_APART=false makes forks that share their family's "
+                                           "domain", SessionErrorKind.conflict)
+                    if forked is None:
+                        raise SessionError("the session could not be forked (its process is gone)",
+                                           SessionErrorKind.ended)
+                except BaseException:
+                    await self._drop_group(family, index)
+                    raise
+                try:  # the fork's process was born in its parent's group
+                    family.move([self._found(family.groups[session.index], forked)], group)
+                except SandboxError as exc:  # without its own caps it must not run
+                    why = f"its fork could not be kept in its cgroup: {exc}"
+                    logger.error("session family %d: %s", family.fid, why)
+                    await self._end_family(family, why)
+                    raise SessionError(f"the session has ended: {why}", SessionErrorKind.ended) from None
+                finally:
+                    family.close_files()
                 child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
                                 session.idle_ttl_s, session.limits, cells=session.cells)
                 family.sessions[index] = child
@@ -630,29 +698,34 @@ class SessionManager:
 
     async def _cell(self, session: Session, code: bytes, stdin: bytes, limits: LimitValues) -> ExecResult:
         family = session.family
-        cg, cell = family.cgroup, family.cell
+        cg, group = family.cgroup, family.groups[session.index]
         out = Outcome(started=True)
-        # The cell's process is forked in `main` (the fork's own pages are the family's) and moved to
-        # `cell` once it exists (cell_started, below); `cell` is empty now. Its charges from earlier
-        # cells stay (pages are not re-charged when a process moves): the limit counts from them.
-        usage0 = cell.memory_usage()
-        cell.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
-        cell.set_pids_max(limits.processes)
-        cell.reset_peak()
-        oom0, pids0, family_oom0 = cell.oom_kills(), cell.pids_limit_hits(), cg.oom_kills()
+        # The cell's process is forked in the session's group, which holds what the session kept of
+        # its earlier cells (and only that: a fork's pages shared with its parent stay its parent's):
+        # the cell's memory limit counts from it, and the session's own cap bounds both. It is set
+        # once the cell's process exists (its fork, under the session's cap, counts in it) and before
+        # it runs a line; the OOM killer then takes the cell's processes first.
+        usage0 = group.memory_usage()
+        group.set_pids_max(group.pids_current() + limits.processes)  # on top of the session's threads
+        group.reset_peak()
+        oom0, pids0, family_oom0 = group.oom_kills(), group.pids_limit_hits(), cg.oom_kills()
         cpu0 = cg.cpu_usage_ns()
-        before = set(family.main.procs())  # the family's processes before the cell's
-        unconfined: list[str] = []  # why a process of the cell could not be kept in `cell`
+        before = set(group.procs())  # the session's process
 
         def started() -> None:
-            try:
-                pids = set(family.main.procs()) - before
-                family.move(pids, cell)
-                for pid in pids:  # over the family's cap too, the cell's go first
+            with contextlib.suppress(OSError, ValueError):
+                for pid in set(group.procs()) - before:  # the cell's go first, before the pre-cell process
                     write_oom_score(pid, b"1000")
-            except (SandboxError, OSError, ValueError) as exc:  # without its limits it must not run
-                unconfined.append(str(exc))
+            try:
+                group.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
+            except OSError:  # cgroup v1 refuses a limit below what the group holds: the fork took more
+                out.oom_killed = True
+                over()  # the pre-cell process must not meet a half-set limit (memory, not memsw)
                 family.channel.kill()
+
+        def over() -> None:  # the session's own cap again, before its pre-cell process resumes
+            with contextlib.suppress(OSError, ValueError):
+                group.set_memory_limit(family.memory_cap)
 
         def overflow() -> None:
             out.output_overflow = True
@@ -669,37 +742,27 @@ class SessionManager:
             t0 = time.monotonic()
             drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
             budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
-            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started)
+            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over)
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
-            out.oom_killed = cell.oom_kills() > oom0 or cg.oom_kills() > family_oom0
-            out.pids_limit_hit = cell.pids_limit_hits() > pids0
-            peak = cell.memory_peak()
+            out.oom_killed = out.oom_killed or group.oom_kills() > oom0 or cg.oom_kills() > family_oom0
+            out.pids_limit_hit = group.pids_limit_hits() > pids0
+            peak = group.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            try:  # a kept cell's process is the session now
-                family.move(cell.procs(), family.main)
-            except SandboxError as exc:
-                unconfined.append(str(exc))
+            group.set_memory_limit(family.memory_cap)  # between cells: the session's own cap
         cpu1 = None
         with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
             cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
-        return await self._cell_result(session, out, run, cpu_s, limits, unconfined[0] if unconfined else None)
+        return await self._cell_result(session, out, run, cpu_s, limits)
 
-    async def _cell_result(self, session: Session, out: Outcome, run: CellRun, cpu_s: float, limits: LimitValues,
-                           unconfined: str | None) -> ExecResult:
+    async def _cell_result(self, session: Session, out: Outcome, run: CellRun, cpu_s: float,
+                           limits: LimitValues) -> ExecResult:
         """A cell's result from what was observed; a session that cannot go on ends here."""
         family = session.family
         done = run.done
-        if unconfined is not None:  # the family's cgroups cannot be relied on: end it, and say why
-            why = f"a process of its cell could not be kept in its cgroup: {unconfined}"
-            logger.error("session family %d: %s", family.fid, why)
-            await self._end_family(family, why)
-            result = classify(out, limits)
-            result.status, result.message = Status.session_lost, f"the session has ended: {why}"
-            return result
         if done is None or done.lost:
             why = "the cell outlived its limits and its session could not be rolled back" if done is None \
                 else "its process ended during the cell and there was nothing to roll back to"
@@ -708,6 +771,7 @@ class SessionManager:
             else:  # its forks live on in the family
                 family.sessions.pop(session.index, None)
                 self._forget(session, why)
+                await self._drop_group(family, session.index)
             result = classify(out, limits)
             result.status, result.message = Status.session_lost, f"the session has ended: {why}"
             return result

@@ -48,15 +48,17 @@ Judge channel (worker <-> a submission's process; `Judge`)::
 Family socket (worker <-> a family's supervisor; `Family`)::
 
     worker -> sup  {"op": "go"}                                  the supervisor is in its cgroup
-    sup -> worker  {"op": "ready", "sid": 0}                     the first session is idle
+    sup -> worker  {"op": "ready", "sid": 0, "pid"}              the first session is idle (its pid here)
     worker -> sup  {"op": "cell", "sid", "seq", limits...} + 6 fds (as a call's)
-    sup -> worker  {"op": "cell_started", "seq"}                 the cell's process runs (its pid is known)
+    sup -> worker  {"op": "cell_started", "seq"}                 the cell's process exists (its pid is known)
+    worker -> sup  {"op": "go"}                                  its OOM score is set: it may run
     sup -> worker  {"op": "cell_over", "seq"}                    rolled back: the pre-cell process waits
     worker -> sup  {"op": "resume"}                              for the worker to lift the cell's limits
     sup -> worker  {"op": "cell_done", "seq", "kept", "wait_status", "exit_code", "timed_out",
                     "killed", "wall_s", "lost", "written", "unrestored"}
     worker -> sup  {"op": "kill", "seq"}                         stop the running cell (rolled back)
-    worker -> sup  {"op": "fork", "sid", "new_sid"}  ->  {"op": "forked", "new_sid", "ok"}
+    worker -> sup  {"op": "fork", "sid", "new_sid", "apart"}  ->  {"op": "forked", "new_sid", "ok", "pid",
+                                                                     "refused"}
     worker -> sup  {"op": "close", "sid"}  ->  {"op": "closed", "sid"}
     worker -> sup  {"op": "ping"}  ->  {"op": "pong"}
 
@@ -65,13 +67,16 @@ Session channel (supervisor <-> a session's process; `Session`)::
     sup -> session  {"op": "cell", ...} + 7 fds (`CellFd`: a call's 6, and the cell channel)
     session -> sup  {"op": "reaped", "wait_status", "unrestored"}  its rolled-back cell's process is gone
                                                                  (and what the rollback could not restore)
-    sup -> session  {"op": "fork", "sid", "new_sid"} + 1 fd      the new session's channel
+    sup -> session  {"op": "fork", "sid", "new_sid", "apart"} + 1 fd  the new session's channel ("apart":
+                                                                 it enters a Landlock domain of its own)
     sup -> session  {"op": "reap"}                               a fork of its was closed: reap it
     session -> sup  {"op": "hello", "copied"}                    (on a new channel) a session started
+    session -> sup  {"op": "hello", "refused"}                   (on a new channel) a fork that could not
 
-Cell channel (a cell's process -> the supervisor; `Cell`; the kernel tells its pid, SO_PASSCRED)::
+Cell channel (a cell's process <-> the supervisor; `Cell`; the kernel tells its pid, SO_PASSCRED)::
 
-    cell -> sup  {"op": "started"}                               the cell runs
+    cell -> sup  {"op": "started"}                               the cell's process is ready
+    sup -> cell  {"op": "go"}                                    the worker has set its OOM score: run
     cell -> sup  {"op": "done", "exit_code"}                     it ended by itself: it is the session now
 """
 
@@ -165,6 +170,7 @@ class Cell:
     """Op names a cell's process sends its supervisor."""
 
     STARTED: Final = "started"
+    GO: Final = Ctl.GO
     DONE: Final = Judge.DONE
 
 

@@ -331,6 +331,8 @@ class SessionProcess:
         with child.Setup(fds) as setup:
             ch = socket.socket(fileno=fds[CellFd.CHANNEL])
             proc.send(ch, {"op": Cell.STARTED})  # the supervisor learns our pid from the kernel (SO_PASSCRED)
+            if (decode(ch.recv(MAX_MSG)) or {}).get("op") != Cell.GO:  # once our OOM score is set
+                proc.hard_exit(SETUP_FAILED)
             report = setup.open_report()
             code = setup.read(CallFd.CODE)
             saved = [os.dup(0), os.dup(1), os.dup(2)]
@@ -460,10 +462,20 @@ class Supervisor:
             return reply
         if not _stopped(pid):  # the pre-cell process stops itself; if it did not, it is stopped here
             _signal(pid, signal.SIGSTOP)
-        try:  # the worker makes the cell's processes the first the OOM killer takes
+        # The worker makes the cell's processes the first the OOM killer takes (the pre-cell process
+        # shares their group), then the cell may run.
+        try:
             proc.send(self.sock, {"op": Family.CELL_STARTED, "seq": msg.get("seq")})
         except OSError:
             pass
+        if self._await_go(deadline):
+            try:
+                proc.send(ours, {"op": Cell.GO})
+            except OSError:
+                pass
+        else:  # stopped before it ran a line
+            reply["killed"] = True
+            _signal(cell_pid, signal.SIGKILL)
         done = self._watch_cell(cell_pid, ours, deadline, reply)
         reply["wall_s"] = time.monotonic() - t0
         if done is not None:  # the cell is the session now
@@ -503,6 +515,18 @@ class Supervisor:
         except OSError:
             return None
         return cell_pid if data else None
+
+    def _await_go(self, deadline: float) -> bool:
+        """The worker's go for a cell (False: it said kill, or nothing in time)."""
+        while select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()) + SESSION_REPLY_S)[0]:
+            op = proc.recv_or_exit(self.sock).get("op")
+            if op == Family.GO:
+                return True
+            if op == Family.KILL:
+                return False
+            if op == Family.PING:
+                proc.send(self.sock, {"op": Family.PONG})
+        return False
 
     def _watch_cell(self, cell_pid: int, ours: socket.socket, deadline: float,
                     reply: dict[str, Any]) -> dict[str, Any] | None:
@@ -592,7 +616,8 @@ class Supervisor:
             except OSError:
                 return False
 
-        ok = self.new_session(new_sid, make) is not None
+        new_pid = self.new_session(new_sid, make)
+        ok = new_pid is not None
         if not ok:
             proc.reap_children()
             try:  # a fork that refused itself has exited: its parent reaps it
@@ -600,7 +625,7 @@ class Supervisor:
             except OSError:
                 pass
         self.freeze_all()
-        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok, "refused": self.refused}
+        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok, "refused": self.refused, "pid": new_pid}
 
     def end(self, sid: object) -> None:
         pid, ch = self.sessions.pop(sid, (None, None)) if isinstance(sid, int) else (None, None)
@@ -696,11 +721,12 @@ def _family_supervisor(sock: socket.socket, msg: dict[str, Any], pre: child.Prel
         proc.spawn(body)
         return True
 
-    if supervisor.new_session(0, first) is None:
+    pid = supervisor.new_session(0, first)
+    if pid is None:
         proc.send(sock, {"op": Family.READY, "ok": False})
         proc.hard_exit(0)
     supervisor.freeze_all()
-    proc.send(sock, {"op": Family.READY, "ok": True, "sid": 0})
+    proc.send(sock, {"op": Family.READY, "ok": True, "sid": 0, "pid": pid})
     supervisor.serve()
 
 

@@ -149,16 +149,19 @@ class FamilyChannel:
                         raise OSError("the family's first session did not start")
                     return got
 
-    async def go(self, timeout: float) -> None:
-        """The supervisor is in its cgroup: its first session may start."""
-        await self.ask({"op": Family.GO}, Family.READY, timeout)
+    async def go(self, timeout: float) -> int:
+        """The supervisor is in its cgroup: its first session may start. Returns that session's pid
+        (in the family's pid namespace, as the kernel told the supervisor)."""
+        got = await self.ask({"op": Family.GO}, Family.READY, timeout)
+        return _pid(got)
 
-    async def fork(self, sid: int, new_sid: int, apart: bool, timeout: float) -> tuple[bool, str | None]:
-        """(made, why not: the fork's own word, if it said)."""
+    async def fork(self, sid: int, new_sid: int, apart: bool, timeout: float) -> tuple[int | None, str | None]:
+        """(the fork's pid in the family's pid namespace, None if it was not made; why not: the fork's
+        own word, if it said)."""
         got = await self.ask({"op": Family.FORK, "sid": sid, "new_sid": new_sid, "apart": apart}, Family.FORKED,
                              timeout)
         refused = got.get("refused")
-        return got.get("ok") is True, str(refused) if refused else None
+        return _pid(got) if got.get("ok") is True else None, str(refused) if refused else None
 
     async def close(self, sid: int, timeout: float) -> None:
         await self.ask({"op": Family.CLOSE, "sid": sid}, Family.CLOSED, timeout)
@@ -179,10 +182,10 @@ class FamilyChannel:
         socket.send_fds(self.sock, [encode(msg)], call.theirs)
 
     async def watch_cell(self, budget_s: float, cpu_ns: int, cpu0: int | None, cgroup: JailCgroup,
-                         on_started: Callable[[], None]) -> CellRun:
+                         on_started: Callable[[], None], on_over: Callable[[], None]) -> CellRun:
         """Follow a cell until its "cell_done": its CPU time is read from `cgroup` (the cell is stopped
-        past `cpu_ns`), `on_started` runs once its process exists, a rolled-back cell's pre-cell process
-        resumes when the supervisor asks."""
+        past `cpu_ns`), `on_started` runs once its process exists (it runs once that returned),
+        `on_over` once a rolled-back cell's processes are gone, before its pre-cell process resumes."""
         run = CellRun()
         t0 = time.monotonic()
         while run.done is None:
@@ -200,8 +203,19 @@ class FamilyChannel:
             if got.get("op") == Family.CELL_DONE:
                 run.done = CellDone.parse(got)
             elif got.get("op") == Family.CELL_OVER:  # rolled back: the pre-cell process may resume
+                on_over()
                 with contextlib.suppress(OSError):
                     self.sock.send(encode({"op": Family.RESUME}))
             elif got.get("op") == Family.CELL_STARTED:
                 on_started()
+                if not self._stopping:  # else it was told to kill the cell, which never runs
+                    with contextlib.suppress(OSError):
+                        self.sock.send(encode({"op": Family.GO}))
         return run
+
+
+def _pid(msg: dict[str, Any]) -> int:
+    pid = msg.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        raise OSError(f"the family's supervisor named no session process ({pid!r})")
+    return pid
