@@ -4,8 +4,9 @@ A session lives in a *family* (the session and its forks). Each family is a fork
 session zygote, in a session jail (`jail.session_jail_config`): PID 1 of its own pid, mount, network
 and IPC namespaces, with its own host uid, its own work dir (a tmpfs only it can see) and its own
 cgroup (pids, CPU; and one per session below it, memory), set up before any of its code runs (see
-sandbox/inside/sessions.py; the family's socket is outside/families.py). So one family cannot see, signal, trace, read, connect
-to or leave anything for another, nor for a call: calls run in other jails, under other uids.
+sandbox/inside/sessions.py; the family's socket is outside/families.py). So one family cannot see,
+signal, trace, read, connect to or leave anything for another, nor for a call: calls run in other
+jails, under other uids.
 Within a family, each fork is in a Landlock domain of its own: it reaches no process but its own.
 
 The worker owns every limit and lifetime: per-cell limits (the family's cgroup, its CPU clock read
