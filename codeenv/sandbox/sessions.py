@@ -37,8 +37,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,8 @@ from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.inside.protocol import REPORT_BYTES
 from codeenv.sandbox.jail import family_filter_hex
 from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, collect
-from codeenv.sandbox.outside.families import CellRun, FamilyChannel, SessionJail
+from codeenv.sandbox.outside.families import CellRun, SessionJail
+from codeenv.sandbox.outside.family import Family, Session, host_pid, pidfd_pid
 from codeenv.sandbox.outside.process import write_oom_score
 from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
@@ -92,113 +92,6 @@ def cells_at_once(slots: int) -> int:
 #: What `_new_id` makes: epoch and counter in hex, then the MAC (18 bytes, URL-safe base64). Anything
 #: else (another alphabet, non-ASCII digits that int() would take, a longer number) never existed.
 SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
-
-
-@dataclass
-class Family:
-    """One family on the worker's side: its supervisor's socket and pidfd, its uid, and its cgroups.
-
-    `cgroup` holds the family's CPU cap and its pids cap. Below it, `main` holds the supervisor, and
-    `groups[N]` session N's process and its cells': each session has a memory cap of its own
-    (`memory_cap`), so what one keeps never leaves a sibling's cells less. While a cell runs its
-    session's group has the cell's limits; the cell's processes are the first the OOM killer takes
-    there, before the stopped pre-cell process."""
-
-    fid: int
-    uid_index: int
-    jail: SessionJail
-    sock: socket.socket
-    pidfd: int
-    cgroup: JailCgroup
-    main: JailCgroup
-    groups: dict[int, JailCgroup]
-    memory_cap: int
-    sessions: dict[int, Session] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    next_index: int = 1
-    ended: str | None = None
-    channel: FamilyChannel = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.channel = FamilyChannel(self.sock)
-
-    def move(self, pids: Iterable[int], to: JailCgroup) -> None:
-        """Move processes of the family into `to`; SandboxError when the kernel refuses (a process
-        that ended is no error). A process left outside its group would run without its caps."""
-        for pid in pids:
-            for procs in to.procs_files():
-                try:
-                    procs.write_text(str(pid))
-                except ProcessLookupError:
-                    break
-                except OSError as exc:
-                    raise SandboxError(f"cannot move a session's process into its cgroup {procs.parent} "
-                                       f"({exc.strerror}); it would run without its limits") from exc
-
-    def remove_cgroups(self) -> None:
-        for group in (*self.groups.values(), self.main, self.cgroup):  # children first
-            group.remove()
-
-    def close_files(self) -> None:
-        """Between cells the family holds no cgroup file open: an idle family costs the worker two
-        fds (its socket and pidfd), whatever its groups' control files a cell reads."""
-        for group in (*self.groups.values(), self.main, self.cgroup):
-            group.close_files()
-
-    @property
-    def last_used(self) -> float:
-        return max((s.last_used for s in self.sessions.values()), default=0.0)
-
-
-@dataclass
-class Session:
-    id: str
-    index: int  # its number in the family (the supervisor's sid)
-    family: Family
-    owner: bytes  # the hash of its creator's session key (its forks': the same)
-    profile: str
-    idle_ttl_s: float
-    limits: Limits
-    created: float = field(default_factory=time.monotonic)
-    last_used: float = field(default_factory=time.monotonic)
-    cells: int = 0
-    busy: int = 0  # cells running or waiting
-    cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
-        default_factory=collections.OrderedDict)
-
-    def describe(self) -> dict[str, Any]:
-        now = time.monotonic()
-        memory = None
-        with contextlib.suppress(OSError, ValueError):
-            memory = self.family.cgroup.memory_usage()
-        return {"session_id": self.id, "profile": self.profile, "age_s": round(now - self.created, 3),
-                "idle_s": round(0.0 if self.busy else now - self.last_used, 3), "cells": self.cells,
-                "family_memory_bytes": memory, "family_sessions": len(self.family.sessions),
-                "idle_ttl_s": self.idle_ttl_s}
-
-
-def _pidfd_pid(pidfd: int) -> int:
-    """The pid (in our namespace) of the process a pidfd refers to."""
-    with open(f"/proc/self/fdinfo/{pidfd}") as f:
-        for line in f:
-            if line.startswith("Pid:"):
-                return int(line.split()[1])
-    raise SandboxError("the kernel does not say which process a pidfd refers to")
-
-
-def _host_pid(candidates: Iterable[int], ns_pid: int) -> int | None:
-    """Which of `candidates` (pids in our namespace) is `ns_pid` in its own innermost pid namespace."""
-    for pid in candidates:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:"):
-                if line.split()[-1] == str(ns_pid):
-                    return pid
-                break
-    return None
 
 
 def _mem_available() -> int:
@@ -443,7 +336,7 @@ class SessionManager:
         family = Family(fid, uid_index, jail, sock, pidfd, cgroup, groups[1], {0: groups[2]}, memory_cap)
         self.families[fid] = family
         try:
-            host_pid = _pidfd_pid(pidfd)
+            host_pid = pidfd_pid(pidfd)
             family.move([host_pid], family.main)
             first = await self._ask(family, family.channel.go(s.control_timeout_s + s.zygote_start_timeout_s / 10))
             family.move([self._found(family.main, first)], family.groups[0])
@@ -476,7 +369,7 @@ class SessionManager:
     @staticmethod
     def _found(group: JailCgroup, ns_pid: int) -> int:
         """The pid here of the session process the supervisor named (`ns_pid`), which is in `group`."""
-        pid = _host_pid(group.procs(), ns_pid)
+        pid = host_pid(group.procs(), ns_pid)
         if pid is None:
             raise SandboxError(f"the session process {ns_pid} of the family is not in its group {group.name}")
         return pid
