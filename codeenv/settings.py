@@ -88,6 +88,11 @@ class SandboxSettings(BaseSettings):
         "allowlist", description="the jails' seccomp policy: the image's allowlist; audit: log what is outside it "
                                  "instead of refusing it; legacy: the denylist before it (for A/B measurements)",
     )
+    image_mount: Literal["overlay", "bind"] = Field(
+        "overlay", description="how each jail sees the image: overlay, a read-only mount of its own (file locks "
+                               "taken on the image's files stay in the jail; Linux 5.11 or later); bind, the "
+                               "image's directory itself (shared by every jail)",
+    )
     workdir_mb: int = Field(256, gt=0, description="size of each call's writable work dir (tmpfs)")
     socket_memory_mb: int = Field(
         64, gt=0, description="socket buffers one call may queue (cgroup v1 charges them to nothing otherwise); "

@@ -4,6 +4,7 @@ OOM scores, socket buffers."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -420,3 +421,28 @@ async def test_the_zygote_catches_no_signal(pool: SlotPool) -> None:
             status = Path(f"/proc/{zygote.zygote_pid}/status").read_text()  # noqa: ASYNC240 (procfs)
             caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
             assert int(caught, 16) == 0, (zygote.name, caught)
+
+
+#: Takes an exclusive lock on an image file (the standard library's os.py) and keeps it a while.
+LOCK_NB = "import fcntl, os\nf = open(os.__file__, 'rb')\nfcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+HOLD_IMAGE_LOCK = LOCK_NB + "import time\ntime.sleep(4)\nprint('held')"
+TRY_IMAGE_LOCK = f"try:\n    exec({LOCK_NB!r})\n    print('free')\nexcept BlockingIOError:\n    print('taken')"
+
+
+@pytest.mark.jail
+async def test_a_lock_on_an_image_file_is_seen_by_no_other_jail(run: Runner, pool: SlotPool) -> None:
+    """Finding 12: every jail bind-mounted the same image directory, so a lock one took on an image
+    file (a read-only fd is enough) was held for every other: a channel between tenants. Each jail
+    now has an overlay of the image of its own."""
+    holder = asyncio.create_task(run(HOLD_IMAGE_LOCK, slot=0))
+    await asyncio.sleep(1.5)
+    assert (await run(TRY_IMAGE_LOCK, slot=1)).stdout == "free\n"
+    assert (await holder).stdout == "held\n"
+    assert pool.sessions is not None
+    session = await pool.sessions.create("light")
+    try:
+        kept = await pool.run(ExecRequest(code=LOCK_NB, session=session.id))
+        assert kept.status == "ok", kept
+        assert (await run(TRY_IMAGE_LOCK, slot=0)).stdout == "free\n"  # the session holds it still
+    finally:
+        await pool.sessions.delete(session.id)

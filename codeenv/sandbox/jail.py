@@ -116,6 +116,18 @@ def jail_nice() -> int:
     return max(0, os.getpriority(os.PRIO_PROCESS, 0))
 
 
+def image_mount(settings: SandboxSettings, image: Image, zygote_dir: Path) -> MountPt:
+    """The image at a jail's /, read-only. By default an overlay of the image with no upper layer: a
+    file system of the jail's own over the same files (and page cache), so a lock taken on an image
+    file (flock, fcntl) is seen by no other jail, as it was when every jail bind-mounted the same
+    directory. Overlay wants two lower layers without an upper: the second is an empty directory."""
+    if settings.image_mount == "bind" or any(c in str(p) for p in (image.root, zygote_dir) for c in ":,\\"):
+        return MountPt(src=str(image.root), dst="/", is_bind=True, rw=False)
+    empty = zygote_dir.parent / "image-lower"
+    empty.mkdir(mode=0o755, exist_ok=True)
+    return MountPt(src="overlay", dst="/", fstype="overlay", options=f"lowerdir={image.root}:{empty}", rw=False)
+
+
 def jail_config(
     settings: SandboxSettings, image: Image, profile: Profile, zygote_dir: Path, host_uid: int,
     ctl_fd: int = CTL_FD,
@@ -177,7 +189,7 @@ def jail_config(
         uidmap=[IdMap(inside_id=str(SANDBOX_UID), outside_id=str(host_uid), count=1)],
         gidmap=[IdMap(inside_id=str(SANDBOX_UID), outside_id=str(host_uid), count=1)],
         mount=[
-            MountPt(src=str(image.root), dst="/", is_bind=True, rw=False),
+            image_mount(settings, image, zygote_dir),
             MountPt(src=str(zygote_dir), dst=ZYGOTE_DIR, is_bind=True, rw=False),
             MountPt(src="/dev/null", dst="/dev/null", is_bind=True, rw=True),
             MountPt(src="/dev/zero", dst="/dev/zero", is_bind=True, rw=False),

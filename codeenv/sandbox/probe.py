@@ -104,6 +104,11 @@ def diagnose(text: str, nsjail: Path, image: Image, host_uid: int) -> str:
                 "unmask=/proc/*; Docker: --security-opt systempaths=unconfined; Kubernetes: procMount: Unmasked "
                 "with hostUsers: false, and before 1.33 the UserNamespacesSupport and ProcMountType feature "
                 "gates), and with no AppArmor profile that forbids mount (docs/deploy.md)")
+    if overlay := next((e for e in errors if "overlay" in e), None):
+        return (f"the kernel refused the jail an overlay of the image ({_short(overlay)}): overlay mounts in a "
+                "user namespace need Linux 5.11 or later (and, in a container, no profile that forbids them); "
+                "set CODEENV_IMAGE_MOUNT=bind to bind-mount the image instead (every jail then sees the file "
+                "locks the others take on its files)")
     if "mount" in joined or "mkdir(" in joined:
         line = next(e for e in errors if "mount" in e or "mkdir(" in e)
         return (f"nsjail could not build the jail's file system ({_short(line)}): if the sandbox image at "
