@@ -124,7 +124,8 @@ def image_mount(settings: SandboxSettings, image: Image, zygote_dir: Path) -> Mo
     if settings.image_mount == "bind" or any(c in str(p) for p in (image.root, zygote_dir) for c in ":,\\"):
         return MountPt(src=str(image.root), dst="/", is_bind=True, rw=False)
     empty = zygote_dir.parent / "image-lower"
-    empty.mkdir(mode=0o755, exist_ok=True)
+    empty.mkdir(exist_ok=True)
+    empty.chmod(0o755)  # whatever the umask: the jail's root (an unprivileged uid here) looks it up
     return MountPt(src="overlay", dst="/", fstype="overlay", options=f"lowerdir={image.root}:{empty}", rw=False)
 
 

@@ -460,6 +460,9 @@ class SessionManager:
                 family.groups[index] = group = await asyncio.to_thread(
                     self._session_group, family.cgroup, index, family.memory_cap)
                 try:
+                    parent = family.groups[session.index]  # the fork's process is born there
+                    with contextlib.suppress(OSError, ValueError):
+                        parent.set_pids_max(parent.pids_current() + 1)
                     forked, refused = await self._ask(family, family.channel.fork(
                         session.index, index, s.session_forks_apart, s.control_timeout_s + s.cleanup_timeout_s))
                     if refused is not None:

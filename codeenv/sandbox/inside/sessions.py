@@ -181,7 +181,12 @@ class SessionProcess:
                 self.cell(msg, fds)
             elif op == Session.FORK and len(fds) == ONE_FD:
                 state = _random_state()
-                if proc.fork() == 0:  # the new session: our child until we end (then the supervisor's)
+                try:
+                    pid = proc.fork()
+                except OSError:  # no process to be had (its pids cap): no fork, and this session lives on
+                    os.close(fds[0])
+                    continue
+                if pid == 0:  # the new session: our child until we end (then the supervisor's)
                     try:
                         self.ch.close()
                         _restore_random(state)
