@@ -58,8 +58,8 @@ from codeenv.sandbox.inside.protocol import REPORT_BYTES
 from codeenv.sandbox.jail import family_filter_hex
 from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, collect
 from codeenv.sandbox.outside.families import CellRun, SessionJail
-from codeenv.sandbox.outside.family import Family, Session, host_pid, pidfd_pid
-from codeenv.sandbox.outside.process import write_oom_score
+from codeenv.sandbox.outside.family import Family, Session, pidfd_pid
+from codeenv.sandbox.outside.process import host_pid, write_oom_score
 from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
 from codeenv.sandbox.verdict import classify
@@ -324,8 +324,8 @@ class SessionManager:
             groups += [self.tree.group(f"{cgroup.name}/main"), self._session_group(cgroup, 0, memory_cap)]
             # Before the family's first process, so before its first socket (cgroup v1 charges a
             # socket to its creator's group only if that group has a TCP limit, and to nothing
-            # otherwise): the family's cap, which counts in the families' common one.
-            for group in groups:
+            # otherwise): the family's cap, which counts in the families' common one. (s0 set its own.)
+            for group in groups[:2]:
                 group.set_socket_memory_limit(socket_memory_limit(s))
             sock, pidfd = await jail.create(fid, uid_index)
         except BaseException:
@@ -336,13 +336,13 @@ class SessionManager:
         family = Family(fid, uid_index, jail, sock, pidfd, cgroup, groups[1], {0: groups[2]}, memory_cap)
         self.families[fid] = family
         try:
-            host_pid = pidfd_pid(pidfd)
-            family.move([host_pid], family.main)
+            supervisor = pidfd_pid(pidfd)
+            family.move([supervisor], family.main)
             first = await self._ask(family, family.channel.go(s.control_timeout_s + s.zygote_start_timeout_s / 10))
             family.move([self._found(family.main, first)], family.groups[0])
             # After its first session's fork (which would inherit it): the OOM killer never takes
             # the supervisor, whose death would end every session of the family.
-            write_oom_score(host_pid, b"-1000")
+            write_oom_score(supervisor, b"-1000")
             family.close_files()
         except BaseException as exc:
             await self._end_family(family, f"it could not start: {exc!r}")
@@ -648,7 +648,7 @@ class SessionManager:
             peak = group.memory_peak()
             if peak is not None:
                 out.memory_peak_kb = max(0, peak - usage0) >> 10
-            group.set_memory_limit(family.memory_cap)  # between cells: the session's own cap
+        over()  # between cells: the session's own cap
         cpu1 = None
         with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
             cpu1 = cg.cpu_usage_ns()

@@ -387,8 +387,9 @@ class Supervisor:
         except OSError:
             data, pid = b"", None
         hello = decode(data) if data else None
-        if hello is None or pid is None or hello.get("refused") is not None:
-            self.refused = str(hello.get("refused"))[:300] if hello is not None and hello.get("refused") else None
+        refused = hello.get("refused") if hello is not None else None
+        if hello is None or pid is None or refused is not None:
+            self.refused = str(refused)[:300] if refused else None
             ours.close()
             return None
         self.sessions[sid] = (pid, ours)

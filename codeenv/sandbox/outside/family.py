@@ -10,7 +10,6 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from codeenv.errors import SandboxError
@@ -109,18 +108,3 @@ def pidfd_pid(pidfd: int) -> int:
             if line.startswith("Pid:"):
                 return int(line.split()[1])
     raise SandboxError("the kernel does not say which process a pidfd refers to")
-
-
-def host_pid(candidates: Iterable[int], ns_pid: int) -> int | None:
-    """Which of `candidates` (pids in our namespace) is `ns_pid` in its own innermost pid namespace."""
-    for pid in candidates:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:"):
-                if line.split()[-1] == str(ns_pid):
-                    return pid
-                break
-    return None

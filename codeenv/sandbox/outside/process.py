@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +55,22 @@ def jail_init_pid(nsjail_pid: int) -> int:
                     continue
                 if stat.rsplit(")", 1)[1].split()[1] == str(nsjail_pid):
                     children.append(entry.name)
-    for child in children:
+    return host_pid((int(child) for child in children), 1) or 0
+
+
+def host_pid(candidates: Iterable[int], ns_pid: int) -> int | None:
+    """Which of `candidates` (pids in our namespace) is `ns_pid` in its own innermost pid namespace."""
+    for pid in candidates:
         try:
-            status = Path(f"/proc/{child}/status").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("NSpid:") and line.split()[-1] == "1":
-                return int(child)
-    return 0
+            if line.startswith("NSpid:"):
+                if line.split()[-1] == str(ns_pid):
+                    return pid
+                break
+    return None
 
 
 def signals_caught(pid: int) -> str:
