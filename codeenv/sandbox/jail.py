@@ -123,7 +123,7 @@ def image_mount(settings: SandboxSettings, image: Image, zygote_dir: Path) -> Mo
     directory. Overlay wants two lower layers without an upper: the second is an empty directory."""
     if settings.image_mount == "bind" or any(c in str(p) for p in (image.root, zygote_dir) for c in ":,\\"):
         return MountPt(src=str(image.root), dst="/", is_bind=True, rw=False)
-    empty = zygote_dir.parent / "image-lower"
+    empty = zygote_dir / "image-lower"  # the worker's own (a shared dir's could be another uid's)
     empty.mkdir(exist_ok=True)
     empty.chmod(0o755)  # whatever the umask: the jail's root (an unprivileged uid here) looks it up
     return MountPt(src="overlay", dst="/", fstype="overlay", options=f"lowerdir={image.root}:{empty}", rw=False)
