@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -62,6 +63,8 @@ class BaselineQueue:
         self._waiting = 0
         self._calls = 0
         self._configs: dict[int, Path] = {}
+        #: Stands in for a zygote dir (which the jails do not mount): it holds the image overlay's empty layer.
+        self._zygote_dir: Path | None = None
         self._argv: list[str] = []
         self._env: dict[str, str] = {}
 
@@ -86,8 +89,10 @@ class BaselineQueue:
 
         # The slot's jail minus the zygote: same mounts, rlimits, namespaces and seccomp policy;
         # one config per slot, each mapping the sandbox user to a host uid of its own.
+        self._zygote_dir = Path(tempfile.mkdtemp(prefix="codeenv-baseline-"))
+        self._zygote_dir.chmod(0o755)  # the jail's root looks up the overlay's empty layer in it
         for uid in self._free_uids:
-            cfg = jail_config(self.settings, image, image.spec.profiles[0], Path("/nonexistent"), uid)
+            cfg = jail_config(self.settings, image, image.spec.profiles[0], self._zygote_dir, uid)
             cfg.mount = [m for m in cfg.mount if m.dst != "/usr/lib/codeenv"]
             cfg.pass_fd = []
             cfg.exec_bin = None
@@ -101,6 +106,8 @@ class BaselineQueue:
     async def close(self) -> None:
         for path in self._configs.values():
             path.unlink(missing_ok=True)
+        if self._zygote_dir is not None:
+            shutil.rmtree(self._zygote_dir, ignore_errors=True)
         if self._uids is not None:
             self._uids.release()
 
