@@ -189,6 +189,8 @@ class QueueSettings(SandboxSettings):
     )
     results_ttl_s: float = Field(600, ge=1, description="how long a call with a client id is remembered")
     shutdown_grace_s: float = Field(30, ge=0, description="time running calls get to finish on shutdown")
+    session_drain_s: float = Field(30, ge=0, description="a stopping Redis worker serves its live sessions this "
+                                   "long (taking no new one), then ends them: their requests answer 410")
 
     @model_validator(mode="after")
     def _heartbeat_within_ttl(self) -> Self:

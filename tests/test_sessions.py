@@ -860,21 +860,23 @@ async def test_sessions_need_the_token_when_one_is_set(gateway: GatewayClient) -
 
 
 @pytest.mark.redis
-async def test_with_redis_the_session_endpoints_say_so(redis_server: Service, gateway: GatewayClient) -> None:
+async def test_with_redis_and_no_worker_a_session_cannot_start_and_says_why(redis_server: Service,
+                                                                           gateway: GatewayClient) -> None:
+    """The Redis queue routes sessions (tests/test_session_routing.py); with no worker alive a new one
+    is a 503, and an id of no live worker answers as a session that ended or never existed."""
     settings = {"redis_url": redis_server.url, "redis_prefix": uuid.uuid4().hex}
     queue = RedisQueue(GatewaySettings(slots=2, **settings))
     await queue.start()
     try:
         async with gateway(queue=queue, **settings) as client:
             created = await client.post("/v1/sessions", json={})
-            assert created.status_code == 501 and "embedded mode" in created.text
-            assert (await client.get("/v1/sessions")).status_code == 501
-            one = await client.post("/v1/execute", json={"code": "1", "session": "x"})
-            assert one.status_code == 422 and "embedded mode" in one.text
-            assert not [p for p in (await client.get("/openapi.json")).json()["paths"] if "sessions" in p]
-            batch = await client.post("/v1/execute/batch", json={"requests": [{"code": "1", "session": "x"}]})
-            assert batch.json()["results"][0]["status"] == "rejected"
-            assert "embedded mode" in batch.json()["results"][0]["message"]
+            assert created.status_code == 503 and "no worker is alive" in created.text, created.text
+            assert (await client.get("/v1/sessions")).json() == {"sessions": []}
+            gone = await client.post(f"/v1/sessions/{'a' * 12}.1.1.{'A' * 24}/execute", json={"code": "1"})
+            assert gone.status_code == 410 and gone.json()["status"] == "session_lost", gone.text
+            assert (await client.post("/v1/sessions/x/execute", json={"code": "1"})).status_code == 404
+            assert (await client.delete(f"/v1/sessions/{'a' * 12}.1.1.{'A' * 24}")).status_code == 410
+            assert [p for p in (await client.get("/openapi.json")).json()["paths"] if "sessions" in p]
     finally:
         await queue.close()
 

@@ -19,7 +19,7 @@ from codeenv.sandbox.inside.protocol import frame, unframe
 from codeenv.sandbox.outside.call_io import Exited, Outcome, Ready, TestDone
 from codeenv.sandbox.routing import choose_profile, imported_modules
 from codeenv.sandbox.verdict import classify
-from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS
+from codeenv.settings import DEFAULT_CAPS, DEFAULT_LIMITS, GatewaySettings
 
 pytestmark = pytest.mark.unit
 
@@ -220,15 +220,17 @@ def test_output_is_capped_in_the_bytes_of_its_json() -> None:
 
 
 def test_which_queues_run_sessions() -> None:
-    """An embedded queue runs its pool's sessions (asked when the routes are made, before the pool has
-    started); the others route none yet, and the API answers 501."""
+    """Every queue runs sessions (asked when the routes are made, before the pool has started): the
+    embedded one its pool's, the others their pool process's or workers', through remote_sessions."""
     from codeenv.queue.embedded import EmbeddedQueue
     from codeenv.queue.host_socket import HostSocketQueue
     from codeenv.queue.redis import RedisQueue
+    from codeenv.queue.remote_sessions import RemoteSessions
     from codeenv.sandbox.pool import SlotPool
 
     assert EmbeddedQueue(SlotPool(SandboxSettings(slots=1)), 8).sessions is not None
-    assert HostSocketQueue.sessions is None and RedisQueue.sessions is None
+    assert isinstance(HostSocketQueue(Path("/nonexistent.sock")).sessions, RemoteSessions)
+    assert isinstance(RedisQueue(GatewaySettings(redis_url="redis://127.0.0.1:1/0")).sessions, RemoteSessions)
 
 
 def test_the_readme_lists_every_field_code_judge_requests_take() -> None:

@@ -30,8 +30,8 @@ logger = logging.getLogger("codeenv.api")
 DISCONNECT_POLL_S = 0.25
 
 #: What a gateway whose queue runs no sessions answers a session's cell.
-NO_SESSIONS = ("sessions run in embedded mode (`codeenv serve` with its own pool); this gateway's queue "
-               "({queue}) does not route them to a worker yet")
+NO_SESSIONS = ("this gateway's queue ({queue}) runs no sessions: they run in embedded mode (`codeenv serve`), "
+               "behind `serve --processes N` and on Redis workers")
 
 
 #: Who sends no key: owns nothing (no session is ever created for it: it gets a key made for it).

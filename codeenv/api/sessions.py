@@ -2,8 +2,9 @@
 
 Cells of many sessions can also go in one `/v1/execute/batch` or `/v1/execute/stream` request: an
 item that names a `session` runs as that session's next cell. Sessions live in the worker that owns
-them: in embedded mode (`codeenv serve`) that is this process's pool; with Redis the endpoints
-answer 501 until sessions are routed across workers.
+them: in embedded mode (`codeenv serve`) that is this process's pool; behind `serve --processes N`
+the host's pool process; with Redis the worker that created them, whichever gateway is asked
+(`codeenv.queue.remote_sessions`). A queue that runs none (a test's own) answers 501.
 
 A session belongs to whoever created it: every request about it must carry the same
 `X-Codeenv-Session-Key` header (a secret of the client's; one is made and returned as `session_key`

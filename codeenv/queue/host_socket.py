@@ -11,15 +11,21 @@ Usage::
     await queue.start()
 
 Frames are a 4-byte big-endian length and UTF-8 text. Gateway -> pool: a JSON object with ``op``
-(``submit`` with ``requests``, ``cancel``, ``lookup`` with ``id``; ``drain`` with ``until``, a
-time.monotonic(), and ``force`` when the service stops) and a request number ``n``.
+(``submit`` with ``requests`` and, for a session's cells, ``owners``: the hash of each caller's
+session key, hex; ``cancel``, ``lookup`` with ``id``; ``session`` with ``session``, a session request of
+`codeenv.queue.remote_sessions`; ``drain`` with ``until``, a time.monotonic(), and ``force`` when
+the service stops) and a request number ``n``.
 Pool -> gateway: a JSON header line (``{"n": ...}`` answering a request, or ``{"stats": {...}}``)
-followed by one result per line, each as the pool encoded it (results are never re-encoded); and
+followed by one result per line, each as the pool encoded it (results are never re-encoded);
+``{"n": ..., "session": ANSWER}`` answering a session request; and
 ``{"n": ..., "started": i}`` when call ``i`` of batch ``n`` holds its slot, written to the socket
 before the call starts. So if the pool process dies, a gateway knows which of its calls provably
 never started (answered ``overloaded``, ``started: false``: the client re-sends them) and which may
 have (``internal_error``, ``started: true``); it then reconnects to the restarted pool process. A
 gateway that goes away cancels its calls that have not started, as a disconnecting client does.
+
+Sessions live in the pool process, so every gateway process reaches every session. A pool process
+that dies takes its sessions with it: a restarted one answers their ids `session_lost` (410).
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from codeenv.errors import QueueUnavailable
+from codeenv.errors import QueueUnavailable, SandboxError, SessionError, SessionErrorKind
 from codeenv.models import ExecRequest, ExecResult, Status
+from codeenv.queue import remote_sessions
 from codeenv.queue.base import NO_STATS, OnResult, SessionService, until_done_or_gone
 from codeenv.queue.embedded import STOPPING, EmbeddedQueue
 from codeenv.settings import GatewaySettings
@@ -115,6 +123,12 @@ class HostSocketServer:
                 gone.pop(n, None)
             writer.write(_frame(json.dumps({"n": n}) + "\n" + "\n".join(r.encoded() for r in results)))
 
+        async def session(n: int, message: dict[str, Any]) -> None:
+            sessions = self.queue.sessions
+            answer = {"error": "unsupported", "message": "the pool process runs no sessions"} if sessions is None \
+                else await remote_sessions.serve(sessions, message)
+            writer.write(_frame(json.dumps({"n": n, "session": answer})))
+
         async def push_stats() -> None:
             while True:
                 writer.write(_frame(json.dumps({"stats": self.queue.stats(), "ready": self.queue.ready()})))
@@ -128,7 +142,13 @@ class HostSocketServer:
                 if message["op"] == "submit":
                     event = gone[n] = asyncio.Event()
                     requests = [ExecRequest.model_validate(r) for r in message["requests"]]
+                    for request, who in zip(requests, message.get("owners") or (), strict=False):
+                        request._owner = bytes.fromhex(who)
                     call = asyncio.create_task(submit(n, requests, event, message.get("t")))
+                    calls.add(call)
+                    call.add_done_callback(calls.discard)
+                elif message["op"] == "session":
+                    call = asyncio.create_task(session(n, message["session"]))
                     calls.add(call)
                     call.add_done_callback(calls.discard)
                 elif message["op"] == "cancel":
@@ -174,16 +194,15 @@ class HostSocketQueue:
     process goes away, the calls it held are answered at once (see the module docstring) and the
     queue reconnects in the background; meanwhile it is not ready and new calls are overloaded."""
 
-    #: The pool process runs no sessions for its gateways (yet).
-    sessions: SessionService | None = None
-
     def __init__(self, path: Path) -> None:
         self.path = path
+        #: The pool process's sessions, asked over the socket.
+        self.sessions: SessionService | None = remote_sessions.RemoteSessions(self._ask_session, self._ask_all)
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._next = 0
         self._waiting: dict[int, _Batch] = {}
-        self._lookups: dict[int, asyncio.Future[list[str]]] = {}
+        self._lookups: dict[int, asyncio.Future[list[str]]] = {}  # lookups and session requests
         self._stats: dict[str, float] = {}
         self._ready = False
         self._lost = False
@@ -261,8 +280,10 @@ class HostSocketQueue:
         future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         batch = _Batch(requests, future)
         try:
+            owners = "" if all(r.session is None for r in requests) else \
+                ',"owners":' + json.dumps([r._owner.hex() for r in requests])
             n = self._send(f'"op":"submit","t":{accepted!r},"requests":['
-                           + ",".join(r.model_dump_json() for r in requests) + "]")
+                           + ",".join(r.model_dump_json() for r in requests) + "]" + owners)
         except ConnectionError as exc:
             return [ExecResult(id=r.id, status=Status.overloaded, started=False, message=f"{exc}; retry later")
                     for r in requests]
@@ -298,6 +319,27 @@ class HostSocketQueue:
         result = ExecResult.from_json(rest[0]) if rest and rest[0] else None
         return bool(json.loads(header)["known"]), result
 
+    async def _ask_session(self, message: dict[str, Any], _session_id: str | None) -> remote_sessions.Answer:
+        """A session request, answered by the pool process (one pool: every session is there)."""
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        try:
+            n = self._send('"op":"session","session":' + json.dumps(message))
+            self._lookups[n] = future
+            header, _ = await future
+        except ConnectionError as exc:
+            if message["op"] == "create":
+                raise SandboxError(f"{exc}; retry later") from exc
+            raise SessionError(f"session {str(message.get('id'))[:80]!r} has ended: {exc}, and its sessions "
+                               "with it", SessionErrorKind.ended) from exc
+        answer: remote_sessions.Answer = json.loads(header)["session"]
+        return answer
+
+    async def _ask_all(self, message: dict[str, Any]) -> list[remote_sessions.Answer]:
+        try:
+            return [await self._ask_session(message, None)]
+        except (SessionError, SandboxError):
+            return []
+
     def _send(self, body: str, n: int | None = None) -> int:
         if self._writer is None or self._writer.is_closing() or self._lost:
             raise ConnectionError(f"the pool process at {self.path} is gone")
@@ -319,7 +361,7 @@ class HostSocketQueue:
                     if batch is not None:
                         batch.started.add(int(head["started"]))
                     continue
-                if "known" in head:
+                if "known" in head or "session" in head:
                     lookup = self._lookups.pop(head["n"], None)
                     if lookup is not None and not lookup.done():
                         lookup.set_result([header, rest])

@@ -10,14 +10,23 @@ The keys, the marker values and the scripts are the at-most-once contract that g
 workers share: `codeenv.queue.redis_protocol`. Everything a call leaves behind expires: a finished
 job's marker after ``DONE_TTL_S``, results of calls with an id after ``results_ttl_s``, a gateway's
 reply list when it stops reading it, so Redis memory returns to its baseline after a burst.
+
+Sessions: a new one goes to the live worker with the most room for sessions; every later request
+about it (its cells too) goes to that worker's inbox, whichever gateway receives it. A session id
+is the worker's tag, a dot, and the id the worker made. While a gateway waits on a worker for a
+session, it watches the worker's heartbeat: a worker that died (or stopped) answers its sessions
+`session_lost` (410) within `worker_dead_after_s` and a heartbeat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
+import random
+import re
 import socket
 import time
 import uuid
@@ -26,13 +35,15 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from codeenv.errors import QueueUnavailable, id_taken
+from codeenv.errors import QueueUnavailable, SandboxError, SessionError, SessionErrorKind, id_taken, session_not_found
 from codeenv.models import ExecRequest, ExecResult, Refusal, Status
+from codeenv.queue import remote_sessions
 from codeenv.queue.base import NO_STATS, OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.queue.embedded import STOPPING, fingerprint
 from codeenv.queue.redis_protocol import (
     DONE_TTL_S,
     GROUP,
+    REPLY_TTL_S,
     Keys,
     NewCall,
     Scripts,
@@ -51,6 +62,19 @@ SUBMIT_CHUNK = 1000
 ATTACH_POLL_S = 0.05
 #: How often the gateway refreshes the gauges and readiness it reads from Redis.
 SNAPSHOT_EVERY_S = 1.0
+#: A session id as clients see it: its worker's tag, a dot, the worker's own id.
+ROUTED_ID = re.compile(r"([0-9a-f]{12})\.(.{1,180})", re.ASCII | re.DOTALL)
+#: How often a gateway waiting on a worker for a session looks at the worker's heartbeat (at most).
+WORKER_CHECK_S = 0.5
+
+
+class _WorkerGone(Exception):
+    """The worker that holds a session stopped or died while a request about it waited; `taken`: it
+    had read the request (a cell may have run)."""
+
+    def __init__(self, taken: bool) -> None:
+        super().__init__("its worker is gone (it stopped or died)")
+        self.taken = taken
 
 
 def from_settings(settings: GatewaySettings) -> RedisQueue:
@@ -87,9 +111,6 @@ class RedisQueue:
     Redis in one script run; results come back in bulk from this process's own reply list.
     """
 
-    #: Sessions are not routed across workers yet.
-    sessions: SessionService | None = None
-
     def __init__(self, settings: GatewaySettings) -> None:
         if settings.redis_url is None:
             raise ValueError("RedisQueue needs settings.redis_url")
@@ -110,7 +131,13 @@ class RedisQueue:
         self._down: str | None = None  # why Redis is unreachable, while it is
         self._snapshot: dict[str, float] = dict(NO_STATS)
         self._workers_seen: set[str] = set()  # the live workers at the last snapshot
+        self._tags: dict[str, tuple[str, dict[str, Any]]] = {}  # tag -> (name, stats) of the live workers
         self._draining = False
+        self._asks = itertools.count(1)
+        self._answers: dict[int, asyncio.Future[remote_sessions.Answer]] = {}  # session requests out
+        self._cells: set[asyncio.Task[None]] = set()  # sessions' cells out
+        #: The sessions of every worker, each reached through its worker's inbox.
+        self.sessions: SessionService | None = remote_sessions.RemoteSessions(self._ask_session, self._ask_all)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -129,11 +156,14 @@ class RedisQueue:
         if self._waiting and self.settings.shutdown_grace_s > 0:
             futures = [c.future for c in self._waiting.values()]
             await asyncio.wait(futures, timeout=self.settings.shutdown_grace_s)
-        for task in self._loops + list(self._tasks):
+        for task in self._loops + list(self._tasks) + list(self._cells):
             task.cancel()
-        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._loops, *self._tasks, *self._cells, return_exceptions=True)
         for call in list(self._waiting.values()) + self._pending:
             call.answer(self._lost(call.request, "the gateway stopped before the call's result came back"))
+        for answer in self._answers.values():
+            if not answer.done():
+                answer.set_exception(_WorkerGone(True))
         for call_id, futures in self._attached.items():
             for future in futures:
                 if not future.done():
@@ -165,6 +195,8 @@ class RedisQueue:
         for call in list(self._waiting.values()):
             call.answer(self._lost(call.request, "the gateway stopped before the call's result came back"))
         self._waiting.clear()
+        for cell in self._cells:
+            cell.cancel()
 
     def stats(self) -> dict[str, float]:
         return self._snapshot
@@ -183,6 +215,11 @@ class RedisQueue:
             if self._down is not None or self._draining:
                 why = STOPPING if self._draining else f"the queue is unreachable ({self._down}); retry later"
                 future.set_result(ExecResult(id=request.id, status=Status.overloaded, started=False, message=why))
+                continue
+            if request.session is not None:  # to its session's worker, not the stream
+                cell = asyncio.ensure_future(self._cell(request, future, accepted))
+                self._cells.add(cell)
+                cell.add_done_callback(self._cells.discard)
                 continue
             call = _Call(request, future, accepted)
             mine.append(call)
@@ -211,6 +248,142 @@ class RedisQueue:
         if result is not None:
             return True, ExecResult.from_json(result)
         return bool(known), None
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    async def _cell(self, request: ExecRequest, future: asyncio.Future[ExecResult], accepted: float) -> None:
+        """A session's cell, run by its session's worker."""
+        assert request.session is not None
+        shape = ROUTED_ID.fullmatch(request.session)
+        message = {"op": "cell", "owner": request._owner.hex(), "t": time.time() - (time.monotonic() - accepted)}
+        try:
+            if shape is None:
+                raise session_not_found(request.session)
+            local = request.model_copy(update={"session": shape[2]})
+            answer = await self._ask(shape[1], {**message, "request": local.model_dump(mode="json")})
+            remote_sessions.raise_error(answer)
+            result = ExecResult.model_validate(answer["result"])
+            result.session = request.session
+        except _WorkerGone as exc:
+            result = ExecResult(id=request.id, status=Status.session_lost, started=exc.taken, session=request.session,
+                                message=f"the session has ended: {exc}")
+        except SessionError as exc:
+            lost = exc.kind is SessionErrorKind.ended
+            result = ExecResult(id=request.id, status=Status.session_lost if lost else Status.rejected,
+                                refusal=None if lost else Refusal.no_session, started=False,
+                                session=request.session if lost else None, message=str(exc))
+        except (RedisError, SandboxError, ValueError, KeyError) as exc:
+            result = ExecResult(id=request.id, status=Status.overloaded, started=False,
+                                message=f"the cell could not reach its session's worker ({exc}); retry later")
+        except TimeoutError as exc:
+            result = self._lost(request, str(exc))
+        except asyncio.CancelledError:  # the gateway stops
+            if not future.done():
+                future.set_result(self._lost(request, "the gateway stopped before the cell's result came back"))
+            raise
+        if not future.done():
+            future.set_result(result)
+
+    def _bound_s(self) -> float:
+        """The longest a worker may take over a session request (a cell, or a fork waiting for one)."""
+        s = self.settings
+        return s.caps.wall_s + s.kill_grace_s + s.control_timeout_s + s.cleanup_timeout_s + 60
+
+    async def _worker(self, tag: str) -> str | None:
+        """The name of the live worker with this tag, or None."""
+        found = self._tags.get(tag)
+        if found is None:
+            await self._refresh_snapshot()  # a worker newer than the last snapshot
+            found = self._tags.get(tag)
+        return None if found is None else found[0]
+
+    async def _ask(self, tag: str, message: dict[str, Any]) -> remote_sessions.Answer:
+        """Send `message` to the inbox of the worker `tag` and wait for its answer, watching its
+        heartbeat meanwhile. _WorkerGone when it is not alive (or stops being alive)."""
+        name = await self._worker(tag)
+        if name is None:
+            raise _WorkerGone(False)
+        n = next(self._asks)
+        future: asyncio.Future[remote_sessions.Answer] = asyncio.get_running_loop().create_future()
+        self._answers[n] = future
+        inbox = self.keys.inbox(tag)
+        text = json.dumps({**message, "n": n, "reply": self.reply})
+        try:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.lpush(inbox, text)
+                pipe.expire(inbox, REPLY_TTL_S)
+                await pipe.execute()
+            deadline = time.monotonic() + self._bound_s()
+            every = min(WORKER_CHECK_S, self.settings.heartbeat_s)
+            while True:
+                done, _ = await asyncio.wait([future], timeout=every)
+                if done:
+                    return future.result()
+                if not await self._r.exists(self.keys.alive(name)):
+                    taken = not await self._r.lrem(inbox, 1, text)
+                    if future.done():
+                        return future.result()
+                    raise _WorkerGone(taken)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"its worker did not answer within {self._bound_s():g}s")
+        finally:
+            self._answers.pop(n, None)
+
+    def _routed(self, tag: str, answer: remote_sessions.Answer) -> remote_sessions.Answer:
+        """The answer with its sessions' ids as clients see them."""
+        ok = answer.get("ok")
+        for info in ok if isinstance(ok, list) else [ok] if isinstance(ok, dict) else []:
+            info["session_id"] = f"{tag}.{info['session_id']}"
+        return answer
+
+    async def _ask_session(self, message: dict[str, Any], session_id: str | None) -> remote_sessions.Answer:
+        if self._down is not None:
+            raise SandboxError(f"the queue is unreachable ({self._down}); retry later")
+        try:
+            if session_id is None:
+                return await self._create(message)
+            shape = ROUTED_ID.fullmatch(session_id)
+            if shape is None:
+                raise session_not_found(session_id)
+            return self._routed(shape[1], await self._ask(shape[1], {**message, "id": shape[2]}))
+        except _WorkerGone as exc:
+            if session_id is None:
+                raise SandboxError(f"the worker chosen for the session {exc}; retry") from None
+            raise SessionError(f"session {session_id[:80]!r} has ended: {exc}", SessionErrorKind.ended) from None
+        except RedisError as exc:
+            raise SandboxError(f"the queue is unreachable ({exc}); retry later") from exc
+        except TimeoutError as exc:
+            raise SandboxError(str(exc)) from exc
+
+    async def _create(self, message: dict[str, Any]) -> remote_sessions.Answer:
+        """A new session, on the live worker with the most room for sessions (then free slots); a
+        worker that answers full passes it to the next."""
+        if not self._tags:
+            await self._refresh_snapshot()
+        ranked = sorted(self._tags.items(), key=lambda t: (t[1][1].get("session_room", 0), t[1][1].get("free", 0),
+                                                           random.random()), reverse=True)
+        candidates = [tag for tag, (_, stats) in ranked if stats.get("session_room", 0) > 0]
+        if not candidates:
+            if not ranked:
+                raise SandboxError("no worker is alive to hold the session; retry later")
+            raise SessionError(f"each of the {len(ranked)} live workers holds as many sessions as it may (or is "
+                               "stopping); end some, or retry later", SessionErrorKind.full)
+        answer: remote_sessions.Answer = {}
+        for tag in candidates:
+            try:
+                answer = await self._ask(tag, message)
+            except _WorkerGone:
+                continue
+            if answer.get("error") != SessionErrorKind.full.value:
+                return self._routed(tag, answer)
+        if not answer:
+            raise SandboxError("the workers chosen for the session went away; retry")
+        return answer
+
+    async def _ask_all(self, message: dict[str, Any]) -> list[remote_sessions.Answer]:
+        tags = list(self._tags)
+        answers = await asyncio.gather(*(self._ask(t, message) for t in tags), return_exceptions=True)
+        return [self._routed(t, a) for t, a in zip(tags, answers, strict=True) if isinstance(a, dict)]
 
     # --- writing calls --------------------------------------------------------------------------
 
@@ -360,6 +533,14 @@ class RedisQueue:
                 continue
             for item in got[1]:
                 job, _, body = item.partition("\n")
+                if job.startswith("~"):  # a worker's answer to a session request
+                    answered = self._answers.get(int(job[1:]))
+                    if answered is not None and not answered.done():
+                        try:
+                            answered.set_result(json.loads(body))
+                        except ValueError as exc:
+                            answered.set_exception(SandboxError(f"unreadable answer from the worker: {exc}"))
+                    continue
                 if body.startswith("@"):  # a worker started the job
                     started = self._waiting.get(job)
                     if started is not None:
@@ -478,8 +659,11 @@ class RedisQueue:
             if group is not None:
                 pipe.xrange(self.keys.jobs, f"({group['last-delivered-id']}", "+", count=1)
             found = await pipe.execute()
-        live = [json.loads(workers[n]) for n, alive in zip(names, found, strict=False) if alive]
-        self._workers_seen = {n for n, alive in zip(names, found, strict=False) if alive}
+        alive = [n for n, is_alive in zip(names, found, strict=False) if is_alive]
+        stats = {n: json.loads(workers[n]) for n in alive}
+        live = list(stats.values())
+        self._workers_seen = set(alive)
+        self._tags = {w["tag"]: (n, w) for n, w in stats.items() if w.get("tag")}
         oldest = 0.0
         if group is not None and found[len(names):] and found[-1]:
             entry_ms = int(found[-1][0][0].split("-")[0])
@@ -489,7 +673,7 @@ class RedisQueue:
             "slot_restarts": sum(w["restarts"] for w in live), "calls_run": sum(w["calls"] for w in live),
             # Entries not yet delivered to a worker ("lag" is unknown once entries are deleted).
             "waiting": max(0, length - group["pending"]) if group is not None else 0, "oldest_wait_s": oldest,
-            "workers": len(live),
+            "workers": len(live), "sessions": sum(w.get("sessions", 0) for w in live),
         }
 
 

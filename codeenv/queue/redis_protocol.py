@@ -15,6 +15,9 @@ The keys, all under one prefix (default ``codeenv``):
 ``P:workers``             worker -> its last reported stats (slots, free slots, restarts, calls)
 ``P:restored:WORKER``     the run id of the Redis server a worker restored its state into, after
                           that server came back without its data (see `codeenv.worker.redis`)
+``P:inbox:TAG``           the requests for one worker's sessions (create, fork, delete, their
+                          cells: `codeenv.queue.remote_sessions`), read by that worker alone
+                          (BLMPOP); TAG is the last part of the worker's name
 ``P:jobs:no-id``          never written: stands for "no client id" among a script's keys
 ========================  =====================================================================
 
@@ -28,6 +31,12 @@ knows which worker started each of its calls even after Redis loses its data.
 Every script takes the names of the keys it touches as KEYS (built here, by `Keys`) and the marker
 values as ARGV: no script builds a key name or spells a marker of its own. Needs a single Redis (or
 a Sentinel-managed one) >= 7.0.
+
+Sessions are not jobs: a session lives in the worker that created it, so requests about it go to
+that worker's inbox, never to the stream, and its answer comes back in the gateway's reply list as
+``~N`` newline ``ANSWER`` (N: the gateway's request number). A session id seen by clients is the
+worker's tag, a dot, and the id the worker's pool made. A worker that dies takes its sessions with
+it: a gateway waiting on one answers `session_lost` once the worker's heartbeat expires.
 """
 
 from __future__ import annotations
@@ -87,6 +96,9 @@ class Keys:
 
     def restored(self, worker: str) -> str:
         return f"{self.prefix}:restored:{worker}"
+
+    def inbox(self, tag: str) -> str:
+        return f"{self.prefix}:inbox:{tag}"
 
 
 # --- the scripts ---------------------------------------------------------------------------------
@@ -344,7 +356,11 @@ class Job:
         return cls(data["job"], data["reply"], data.get("cid"), float(data["t"]), data["req"])
 
 
-def worker_stats(slots: int, free: int, restarts: int, calls: int) -> str:
-    """A worker's stats as it reports them in its heartbeat and the workers hash."""
-    return json.dumps({"slots": slots, "free": free, "restarts": restarts, "calls": calls,
+def worker_stats(slots: int, free: int, restarts: int, calls: int, tag: str = "", sessions: int = 0,
+                 session_room: int = 0, **figures: float) -> str:
+    """A worker's stats as it reports them in its heartbeat and the workers hash: `tag` names its
+    inbox; `session_room` is how many more sessions it takes now (0 while it drains); `figures` are
+    its session counters (cells, lost, evicted) and memory."""
+    return json.dumps({"slots": slots, "free": free, "restarts": restarts, "calls": calls, "tag": tag,
+                       "sessions": sessions, "session_room": session_room, **figures,
                        "host": socket.gethostname(), "pid": os.getpid()})

@@ -134,6 +134,9 @@ class SessionManager:
         self._spares: dict[str, asyncio.Task[Family]] = {}
         self._closing = False
         self._families: JailCgroup | None = None
+        #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
+        #: evicted (memory), for the worker's figures.
+        self.counts: collections.Counter[str] = collections.Counter()
 
     # --- ids ------------------------------------------------------------------------------------
 
@@ -507,6 +510,7 @@ class SessionManager:
             victim = min(idle, key=lambda f: f.last_used)
             logger.info("evicting session family %d (idle %.0fs): memory is low", victim.fid,
                         time.monotonic() - victim.last_used)
+            self.counts["sessions_evicted"] += len(victim.sessions)
             await self._end_family(victim, "it was evicted: the worker ran short of memory")
 
     async def _reap(self) -> None:
@@ -526,6 +530,7 @@ class SessionManager:
                     await self._close(session, why)
             for family in list(self.families.values()):
                 if family.ended is None and not family.lock.locked() and _exited(family.pidfd):
+                    self.counts["sessions_lost"] += len(family.sessions)
                     await self._end_family(family, "its processes were lost")
 
     # --- cells ----------------------------------------------------------------------------------
@@ -584,6 +589,7 @@ class SessionManager:
         finally:
             session.busy -= 1
             session.last_used = time.monotonic()
+        self.counts["cells"] += 1
         result.session = session.id
         result.execution_count = session.cells
         result = self._finish(request, result, profile)
@@ -663,6 +669,7 @@ class SessionManager:
         if done is None or done.lost:
             why = "the cell outlived its limits and its session could not be rolled back" if done is None \
                 else "its process ended during the cell and there was nothing to roll back to"
+            self.counts["sessions_lost"] += 1 if done is not None else len(family.sessions)
             if done is None or len(family.sessions) <= 1:
                 await self._end_family(family, why)
             else:  # its forks live on in the family
@@ -688,6 +695,14 @@ class SessionManager:
         return result
 
     # --- views ----------------------------------------------------------------------------------
+
+    def figures(self) -> dict[str, float]:
+        """Counters since start and the families' memory now, for the worker's heartbeat."""
+        memory = 0
+        with contextlib.suppress(OSError, ValueError):
+            memory = self._families.memory_usage() if self._families is not None else 0
+        return {"cells": self.counts["cells"], "sessions_lost": self.counts["sessions_lost"],
+                "sessions_evicted": self.counts["sessions_evicted"], "session_memory_bytes": memory}
 
     def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
         """The live sessions of `owner`, and no one else's."""

@@ -11,12 +11,17 @@ already held; whoever sets the marker first owns the job, so a job claimed twice
 a slow worker, a duplicated write) runs once, and a gateway cancels a job only if nobody marked it.
 A worker whose heartbeat stops is dead: any live worker takes over its pending jobs, runs those it
 never marked, and answers those it marked with ``started: true``: they are never run again.
+
+Sessions live in the worker that created them: it reads their requests (create, fork, delete,
+cells) from its own inbox, not the stream (`codeenv.queue.remote_sessions`). A stopping worker
+takes no new session and serves its live ones up to `session_drain_s`, then ends them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import socket
@@ -28,8 +33,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from codeenv.errors import InvalidRequest, PoolClosed, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult, Refusal, Status
+from codeenv.queue import remote_sessions
+from codeenv.queue.embedded import PoolSessions
 from codeenv.queue.redis_protocol import (
     GROUP,
+    REPLY_TTL_S,
     Job,
     Keys,
     Marker,
@@ -90,9 +98,15 @@ class StreamWorker:
         self.pool = pool if pool is not None else SlotPool(settings)
         self._own_pool = pool is None
         self.keys = Keys(settings.redis_prefix)
-        self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        #: Names this worker's inbox, and begins the ids of its sessions (unique per start: a
+        #: restarted worker's old ids name no live worker).
+        self.tag = uuid.uuid4().hex[:12]
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{self.tag}"
         self._r = connect(settings)
         self._blocking = connect(settings)  # XREADGROUP BLOCK holds its connection
+        self._inbox = connect(settings)  # so does the inbox's BLMPOP
+        self._sessions = PoolSessions(self.pool)
+        self._session_tasks: set[asyncio.Task[None]] = set()
         self._held: dict[str, _Job] = {}  # entry id -> job claimed and not yet answered
         self._active = 0  # jobs claimed and not yet out of the pool (what claims count against)
         self._scripts = Scripts(self._r, self.keys)
@@ -131,7 +145,8 @@ class StreamWorker:
             raise QueueUnavailable(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
         self._loops = [asyncio.create_task(self._claim_loop(), name="codeenv-claim"),
                        asyncio.create_task(self._heartbeat_loop(), name="codeenv-heartbeat"),
-                       asyncio.create_task(self._reclaim_loop(), name="codeenv-reclaim")]
+                       asyncio.create_task(self._reclaim_loop(), name="codeenv-reclaim"),
+                       asyncio.create_task(self._inbox_loop(), name="codeenv-inbox")]
         logger.info("worker %s: %d slots, claiming from %s", self.name, self.capacity,
                     redacted(self.settings.redis_url))
 
@@ -165,6 +180,7 @@ class StreamWorker:
             finished: asyncio.Future[Any] = asyncio.gather(*running, return_exceptions=True)
             await asyncio.wait([finished, forced], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
             forced.cancel()
+        await self._drain_sessions()
         # What still runs is stopped and answered `killed` (its result written), not left to a reclaimer.
         self._cutting = True
         cut = [j.task for j in self._held.values() if j.task is not None and j.in_pool and not j.task.done()]
@@ -192,8 +208,23 @@ class StreamWorker:
             pass
         await self._r.aclose()
         await self._blocking.aclose()
+        await self._inbox.aclose()
         logger.info("worker %s stopped", self.name)
         self._stopped.set()
+
+    async def _drain_sessions(self) -> None:
+        """Serve the live sessions' requests (no new session) until they end, up to `session_drain_s`
+        (or a forced stop); then the pool ends what is left, and their next requests are answered
+        `session_lost` (this worker's heartbeat is gone)."""
+        manager = self.pool.sessions
+        if manager is None or not manager.sessions:
+            return
+        logger.info("serving %d live sessions for up to %gs before stopping", len(manager.sessions),
+                    self.settings.session_drain_s)
+        deadline = time.monotonic() + self.settings.session_drain_s
+        while manager.sessions and time.monotonic() < deadline and not self._force.is_set():  # noqa: ASYNC110
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # (sessions end in many places)
+        await self._beat()  # its last figures, with its sessions as they end
 
     async def _hand_back(self, jobs: list[_Job]) -> None:
         """Put claimed jobs that never reached a slot back in the stream, for other workers."""
@@ -413,6 +444,81 @@ class StreamWorker:
                 delay = min(2.0, delay * 2)
         self._ran.discard(job.key)
 
+    # --- sessions -------------------------------------------------------------------------------
+
+    async def _inbox_loop(self) -> None:
+        """Read this worker's inbox: each request is answered by a task of its own."""
+        key = self.keys.inbox(self.tag)
+        delay = 0.1
+        while True:
+            try:
+                got: Any = await self._inbox.blmpop(1, 1, key, direction="RIGHT", count=100)
+            except RedisError as exc:
+                logger.warning("reading the sessions' inbox failed: %s; retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+                continue
+            delay = 0.1
+            for text in got[1] if got else ():
+                task = asyncio.create_task(self._answer(text))
+                self._session_tasks.add(task)
+                task.add_done_callback(self._session_tasks.discard)
+
+    async def _answer(self, text: str) -> None:
+        try:
+            message = json.loads(text)
+            n, reply = int(message["n"]), str(message["reply"])
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.error("dropping a malformed session request: %s", exc)
+            return
+        try:
+            answer = await self._serve(message)
+        except Exception as exc:  # our fault: this request says so
+            logger.exception("a session request failed in the worker")
+            answer = {"error": "failed", "message": f"the worker failed on the request: {exc!r}"}
+        body = f"~{n}\n{json.dumps(answer)}"
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.lpush(reply, body)
+                    pipe.expire(reply, REPLY_TTL_S)
+                    await pipe.execute()
+                return
+            except RedisError as exc:
+                if time.monotonic() > deadline:
+                    logger.error("gave up answering a session request: %s", exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    async def _serve(self, message: dict[str, Any]) -> remote_sessions.Answer:
+        if message.get("op") == "create" and self._stopping:
+            return {"error": "full", "message": "this worker is stopping: it takes no new session; retry (another "
+                                                "worker takes it)"}
+        if message.get("op") != "cell":
+            return await remote_sessions.serve(self._sessions, message)
+        request = ExecRequest.model_validate(message["request"])
+        request._owner = bytes.fromhex(message.get("owner") or "")
+        waited = max(0.0, time.time() - float(message.get("t", time.time())))
+        try:
+            result = await self.pool.run(request)
+        except InvalidRequest as exc:
+            result = ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
+        except PoolClosed:
+            result = ExecResult(id=request.id, status=Status.session_lost, started=False, session=request.session,
+                                message="the session has ended: its worker stopped")
+        result.queue_s = round(result.queue_s + waited, 6)
+        return {"result": result.model_dump(mode="json", exclude_none=True)}
+
+    def _session_figures(self) -> dict[str, Any]:
+        manager = self.pool.sessions
+        if manager is None:
+            return {"tag": self.tag}
+        room = 0 if self._stopping else max(0, manager.sessions_max - len(manager.sessions))
+        return {"tag": self.tag, "sessions": len(manager.sessions), "session_room": room, **manager.figures()}
+
     # --- liveness and reclaiming ----------------------------------------------------------------
 
     async def _restore_if_restarted(self) -> None:
@@ -441,7 +547,8 @@ class StreamWorker:
     async def _beat(self) -> None:
         await self._restore_if_restarted()
         pool = self.pool
-        stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, pool.calls_started)
+        stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, pool.calls_started,
+                             **self._session_figures())
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.alive(self.name), stats, px=int(self.settings.worker_dead_after_s * 1000))
             pipe.hset(self.keys.workers, self.name, stats)

@@ -1,0 +1,169 @@
+"""Sessions in every deployment: `serve --processes 2` (one pool process behind two gateway
+processes) and Redis (two worker processes, two gateway processes). Real processes, real HTTP, a
+private redis-server; every request on a connection of its own, so the kernel spreads them over the
+gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from codeenv.bench.services import Service, free_port, start_codeenv
+from tests.conftest import start_service
+from tests.test_redis import WorkerProcess, wait_for_workers
+
+KEY = {"x-codeenv-session-key": "the-routing-tests-own-session-key"}
+DEAD_AFTER_S = 1.0  # WorkerProcess's CODEENV_WORKER_DEAD_AFTER_S
+
+
+async def ask(url: str, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    """One request on a connection of its own."""
+    async with httpx.AsyncClient(base_url=url, timeout=90, headers=KEY) as c:
+        return await c.request(method, path, json=body)
+
+
+async def cell(url: str, sid: str, code: str) -> dict[str, Any]:
+    r = await ask(url, "POST", f"/v1/sessions/{sid}/execute", {"code": code})
+    body: dict[str, Any] = r.json()
+    body["http"] = r.status_code
+    return body
+
+
+async def counts_from_every_process(url: str, sid: str, times: int) -> list[str | None]:
+    """`times` cells that each add one to the session's `n`, each on a new connection."""
+    return [(await cell(url, sid, "n += 1; n")).get("value") for _ in range(times)]
+
+
+@pytest.mark.jail
+@pytest.mark.slow
+async def test_with_processes_every_gateway_process_reaches_every_session(tmp_path: Path) -> None:
+    service = start_service("serve", "--slots", "2", "--processes", "2", "--log-level", "warning",
+                            log=tmp_path / "serve.log", PATH=os.environ.get("PATH", "/usr/bin"))
+    try:
+        await service.await_ready(120)
+        made = await ask(service.url, "POST", "/v1/sessions", {"profile": "light"})
+        assert made.status_code == 201, made.text
+        sid = made.json()["session_id"]
+        assert (await cell(service.url, sid, "n = 0"))["status"] == "ok"
+        assert await counts_from_every_process(service.url, sid, 8) == [str(i) for i in range(1, 9)]
+        fork = await ask(service.url, "POST", f"/v1/sessions/{sid}/fork")
+        assert fork.status_code == 201, fork.text
+        fid = fork.json()["session_id"]
+        assert (await cell(service.url, fid, "n"))["value"] == "8"
+        listed = {s["session_id"] for s in (await ask(service.url, "GET", "/v1/sessions")).json()["sessions"]}
+        assert listed == {sid, fid}
+        other = await ask(service.url, "GET", f"/v1/sessions/{sid}")  # another key: as if it never existed
+        assert other.status_code == 200
+        async with httpx.AsyncClient(base_url=service.url, timeout=30) as stranger:
+            assert (await stranger.get(f"/v1/sessions/{sid}", headers={
+                "x-codeenv-session-key": "somebody-else-entirely"})).status_code == 404
+        assert (await ask(service.url, "DELETE", f"/v1/sessions/{fid}")).status_code == 204
+        assert (await cell(service.url, fid, "n"))["http"] == 410
+        assert (await ask(service.url, "POST", "/v1/sessions/nonsense/fork")).status_code == 404
+    finally:
+        assert await service.stop_async(60) == 0
+
+
+def _tag(session_id: str) -> str:
+    return session_id.split(".", 1)[0]
+
+
+@pytest.mark.jail
+@pytest.mark.redis
+@pytest.mark.slow
+async def test_with_redis_sessions_live_on_their_worker_and_die_with_it(redis_server: Service, tmp_path: Path) -> None:
+    prefix = os.urandom(6).hex()
+    workers = [WorkerProcess(redis_server, prefix, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
+    for w in workers:
+        w.env["CODEENV_SESSION_DRAIN_S"] = "4"
+    await asyncio.gather(*(w.start() for w in workers))
+    gateway = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--processes", "2",
+                            "--log-level", "warning", port=free_port(), env=workers[0].env, log=tmp_path / "gw.log")
+    url = gateway.url
+    try:
+        await wait_for_workers(redis_server, prefix, 2)
+        await gateway.await_ready(120)
+        # Spread over both workers, each holding its own: every cell reaches its session's worker.
+        sessions = []
+        for _ in range(4):
+            made = await ask(url, "POST", "/v1/sessions", {"profile": "light"})
+            assert made.status_code == 201, made.text
+            sessions.append(made.json()["session_id"])
+        by_worker = Counter(_tag(s) for s in sessions)
+        assert len(by_worker) == 2, by_worker
+        for i, sid in enumerate(sessions):
+            assert (await cell(url, sid, f"n = {10 * i}"))["status"] == "ok"
+        for i, sid in enumerate(sessions):
+            assert await counts_from_every_process(url, sid, 3) == [str(10 * i + k) for k in (1, 2, 3)]
+        fork = await ask(url, "POST", f"/v1/sessions/{sessions[0]}/fork")
+        assert fork.status_code == 201 and _tag(fork.json()["session_id"]) == _tag(sessions[0]), fork.text
+        listed = {s["session_id"] for s in (await ask(url, "GET", "/v1/sessions")).json()["sessions"]}
+        assert listed == {*sessions, fork.json()["session_id"]}
+        again = {"code": "n += 100; n", "cell_id": "the-same-cell"}  # a retried cell runs once, whoever takes it
+        first = (await ask(url, "POST", f"/v1/sessions/{sessions[1]}/execute", again)).json()
+        second = (await ask(url, "POST", f"/v1/sessions/{sessions[1]}/execute", again)).json()
+        assert first["value"] == second["value"] == "113"
+        assert (await ask(url, "GET", f"/v1/sessions/{_tag(sessions[0])}.0.1.{'A' * 24}")).status_code == 404
+
+        # A worker SIGKILLed mid-cell: its sessions answer 410 soon; the other's go on.
+        doomed_tag = _tag(sessions[0])
+        doomed = [s for s in sessions if _tag(s) == doomed_tag]
+        kept = [s for s in sessions if _tag(s) != doomed_tag]
+        victim = next(w for w in workers if _owns(w, doomed_tag))
+        running = asyncio.ensure_future(cell(url, doomed[0], "import time; time.sleep(60)"))
+        await asyncio.sleep(1.5)
+        victim.kill()
+        killed_at = time.monotonic()
+        answer = await asyncio.wait_for(running, DEAD_AFTER_S + 10)
+        assert answer["http"] == 410 and answer["status"] == "session_lost", answer
+        assert time.monotonic() - killed_at <= DEAD_AFTER_S + 2
+        later = await cell(url, doomed[-1], "n")
+        assert later["http"] == 410 and later["status"] == "session_lost", later
+        assert (await ask(url, "POST", f"/v1/sessions/{doomed[-1]}/fork")).status_code == 410
+        assert (await cell(url, kept[0], "n"))["status"] == "ok"
+        assert (await ask(url, "POST", "/v1/execute", {"code": "print(6 * 7)"})).json()["stdout"] == "42\n"
+
+        # Its replacement: the old ids still answer 410, never another session's state.
+        replacement = WorkerProcess(redis_server, prefix, tmp_path / "w2.log", slots=1)
+        replacement.env["CODEENV_SESSION_DRAIN_S"] = "4"
+        workers.append(replacement)
+        await replacement.start()
+        await wait_for_workers(redis_server, prefix, 2)
+        assert (await cell(url, doomed[-1], "n"))["http"] == 410
+
+        # A draining worker serves its live sessions (and takes no new one), then ends them.
+        survivor = next(w for w in workers[:2] if w is not victim)
+        assert survivor.service is not None
+        os.kill(survivor.service.pid, signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert (await cell(url, kept[0], "n += 1; n"))["status"] == "ok"
+        for _ in range(3):
+            made = await ask(url, "POST", "/v1/sessions", {"profile": "light"})
+            assert made.status_code == 201 and _tag(made.json()["session_id"]) == _owns_tag(replacement), made.text
+        assert await survivor.stop() == 0
+        assert (await cell(url, kept[0], "n"))["http"] == 410
+    finally:
+        await gateway.stop_async(60)
+        for w in workers:
+            if w.service is not None and w.service.returncode is None:
+                await w.stop()
+
+
+def _owns_tag(worker: WorkerProcess) -> str:
+    """The tag of a worker process (the last part of its name, in its start line)."""
+    found = re.findall(r"worker [^ ]+:(\d+):([0-9a-f]{12})", worker.log.read_text())
+    assert found, worker.log.read_text()[-2000:]
+    return found[-1][1]
+
+
+def _owns(worker: WorkerProcess, tag: str) -> bool:
+    return _owns_tag(worker) == tag
