@@ -38,6 +38,19 @@ async def cell(url: str, sid: str, code: str) -> dict[str, Any]:
     return body
 
 
+async def per_worker(url: str, name: str, until: Any, timeout_s: float = 15) -> dict[str, float]:
+    """The gauge `codeenv_worker_NAME` by worker, once `until(values)` holds (read from /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = (await ask(url, "GET", "/metrics")).text
+        values = {m[1]: float(m[2]) for m in re.finditer(rf'^codeenv_worker_{name}{{worker="([^"]+)"}} (\S+)$', text,
+                                                          re.MULTILINE)}
+        if until(values):
+            return values
+        assert time.monotonic() < deadline, f"codeenv_worker_{name} stayed {values}"
+        await asyncio.sleep(0.2)
+
+
 async def counts_from_every_process(url: str, sid: str, times: int) -> list[str | None]:
     """`times` cells that each add one to the session's `n`, each on a new connection."""
     return [(await cell(url, sid, "n += 1; n")).get("value") for _ in range(times)]
@@ -55,6 +68,7 @@ async def test_with_processes_every_gateway_process_reaches_every_session(tmp_pa
         sid = made.json()["session_id"]
         assert (await cell(service.url, sid, "n = 0"))["status"] == "ok"
         assert await counts_from_every_process(service.url, sid, 8) == [str(i) for i in range(1, 9)]
+        await per_worker(service.url, "cells", lambda v: sum(v.values()) >= 9)
         fork = await ask(service.url, "POST", f"/v1/sessions/{sid}/fork")
         assert fork.status_code == 201, fork.text
         fid = fork.json()["session_id"]
@@ -100,6 +114,8 @@ async def test_with_redis_sessions_live_on_their_worker_and_die_with_it(redis_se
             sessions.append(made.json()["session_id"])
         by_worker = Counter(_tag(s) for s in sessions)
         assert len(by_worker) == 2, by_worker
+        held = await per_worker(url, "sessions", lambda v: sum(v.values()) == 4 and len(v) == 2)
+        assert sorted(held.values()) == sorted(by_worker.values())
         for i, sid in enumerate(sessions):
             assert (await cell(url, sid, f"n = {10 * i}"))["status"] == "ok"
         for i, sid in enumerate(sessions):

@@ -22,7 +22,14 @@ class Metrics:
              ("oldest_wait_s", "How long the oldest waiting call has waited (the queue's age)"),
              ("workers", "Live workers behind this gateway"),
              ("calls_run", "Calls the workers have run"),
-             ("sessions", "Live sessions (embedded mode)"))
+             ("sessions", "Live sessions on the workers"))
+    #: Per worker (label `worker`), where the queue reports them (`CallQueue.worker_figures`).
+    WORKER_FIGURES = (("sessions", "Live sessions of a worker"),
+                      ("session_room", "More sessions a worker takes now (0 while it drains)"),
+                      ("session_memory_bytes", "Memory of a worker's session families"),
+                      ("cells", "Cells a worker has run since it started (rate(): cells/s)"),
+                      ("sessions_lost", "Sessions a worker lost (their processes died) since it started"),
+                      ("sessions_evicted", "Sessions a worker evicted (short of memory) since it started"))
 
     def __init__(self, queue: CallQueue) -> None:
         self.queue = queue
@@ -39,6 +46,8 @@ class Metrics:
                               registry=self.registry, multiprocess_mode="livemax")
         self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=self.registry, multiprocess_mode="mostrecent")
                       for key, doc in self.STATS}
+        self.per_worker = {key: Gauge(f"codeenv_worker_{key}", doc, ["worker"], registry=self.registry,
+                                      multiprocess_mode="mostrecent") for key, doc in self.WORKER_FIGURES}
 
     def observe(self, results: list[ExecResult]) -> None:
         for r in results:
@@ -51,6 +60,13 @@ class Metrics:
         stats = self.queue.stats()
         for key, gauge in self.stats.items():
             gauge.set(stats.get(key, 0))
+        figures = getattr(self.queue, "worker_figures", None)
+        workers = figures() if figures is not None else {}
+        for key, gauge in self.per_worker.items():
+            gauge.clear()  # a worker gone is not shown
+            for worker, values in workers.items():
+                if key in values:
+                    gauge.labels(worker).set(values[key])
         if not self.multiprocess:
             return generate_latest(self.registry)
         registry = CollectorRegistry()

@@ -93,7 +93,12 @@ def declared_profiles(image: str) -> list[str]:
 
 
 class CallQueue(Protocol):
-    """Takes batches of calls and answers each with a result, in order."""
+    """Takes batches of calls and answers each with a result, in order.
+
+    A queue whose workers run sessions may also offer ``worker_figures() -> dict[str, dict[str,
+    float]]``: per live worker (by name) its sessions, session_room, session_memory_bytes, and its
+    cells, sessions_lost and sessions_evicted since it started (/metrics labels them by worker).
+    """
 
     #: The sessions its workers run, or None where it routes none (the API answers 501).
     sessions: SessionService | None

@@ -143,6 +143,13 @@ class EmbeddedQueue:
                 "oldest_wait_s": 0.0 if oldest is None else time.monotonic() - oldest, "workers": 1,
                 "sessions": len(self.pool.sessions.sessions) if self.pool.sessions is not None else 0}
 
+    def worker_figures(self) -> dict[str, dict[str, float]]:
+        manager = self.pool.sessions
+        if manager is None:
+            return {}
+        room = 0 if self._draining else max(0, manager.sessions_max - len(manager.sessions))
+        return {self.pool.worker: {"sessions": len(manager.sessions), "session_room": room, **manager.figures()}}
+
     def ready(self) -> bool:
         return not self._draining and self.pool.is_open and any(
             not z.dead for s in self.pool.slots for z in s.zygotes.values())

@@ -131,7 +131,8 @@ class HostSocketServer:
 
         async def push_stats() -> None:
             while True:
-                writer.write(_frame(json.dumps({"stats": self.queue.stats(), "ready": self.queue.ready()})))
+                writer.write(_frame(json.dumps({"stats": self.queue.stats(), "ready": self.queue.ready(),
+                                                "workers": self.queue.worker_figures()})))
                 await asyncio.sleep(STATS_EVERY_S)
 
         pusher = asyncio.create_task(push_stats())
@@ -204,6 +205,7 @@ class HostSocketQueue:
         self._waiting: dict[int, _Batch] = {}
         self._lookups: dict[int, asyncio.Future[list[str]]] = {}  # lookups and session requests
         self._stats: dict[str, float] = {}
+        self._figures: dict[str, dict[str, float]] = {}
         self._ready = False
         self._lost = False
         self._closing = False
@@ -263,6 +265,9 @@ class HostSocketQueue:
 
     def stats(self) -> dict[str, float]:
         return self._stats if self._stats and not self._lost else NO_STATS
+
+    def worker_figures(self) -> dict[str, dict[str, float]]:
+        return {} if self._lost else self._figures
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None) -> list[ExecResult]:
@@ -354,7 +359,7 @@ class HostSocketQueue:
                 header, _, rest = (await _read_frame(reader)).partition("\n")
                 head = json.loads(header)
                 if "stats" in head:
-                    self._stats, self._ready = head["stats"], head["ready"]
+                    self._stats, self._ready, self._figures = head["stats"], head["ready"], head.get("workers", {})
                     continue
                 if "started" in head:
                     batch = self._waiting.get(head["n"])

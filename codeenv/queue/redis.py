@@ -201,6 +201,10 @@ class RedisQueue:
     def stats(self) -> dict[str, float]:
         return self._snapshot
 
+    def worker_figures(self) -> dict[str, dict[str, float]]:
+        return {name: {k: v for k, v in stats.items() if isinstance(v, int | float)}
+                for name, stats in self._tags.values()}
+
     # --- calls ----------------------------------------------------------------------------------
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
@@ -357,27 +361,34 @@ class RedisQueue:
 
     async def _create(self, message: dict[str, Any]) -> remote_sessions.Answer:
         """A new session, on the live worker with the most room for sessions (then free slots); a
-        worker that answers full passes it to the next."""
+        worker that answers full (it filled up, or began to stop, since its last heartbeat) passes
+        it to the next, and once every worker this gateway knew of did, to those it learns of now."""
         if not self._tags:
             await self._refresh_snapshot()
-        ranked = sorted(self._tags.items(), key=lambda t: (t[1][1].get("session_room", 0), t[1][1].get("free", 0),
-                                                           random.random()), reverse=True)
-        candidates = [tag for tag, (_, stats) in ranked if stats.get("session_room", 0) > 0]
-        if not candidates:
+        tried: set[str] = set()
+        answer: remote_sessions.Answer = {}
+        for fresh in (False, True):
+            if fresh:
+                await self._refresh_snapshot()
+            ranked = sorted(self._tags.items(), key=lambda t: (t[1][1].get("session_room", 0),
+                                                               t[1][1].get("free", 0), random.random()), reverse=True)
+            candidates = [tag for tag, (_, stats) in ranked if stats.get("session_room", 0) > 0 and tag not in tried]
             if not ranked:
                 raise SandboxError("no worker is alive to hold the session; retry later")
-            raise SessionError(f"each of the {len(ranked)} live workers holds as many sessions as it may (or is "
-                               "stopping); end some, or retry later", SessionErrorKind.full)
-        answer: remote_sessions.Answer = {}
-        for tag in candidates:
-            try:
-                answer = await self._ask(tag, message)
-            except _WorkerGone:
-                continue
-            if answer.get("error") != SessionErrorKind.full.value:
-                return self._routed(tag, answer)
+            for tag in candidates:
+                tried.add(tag)
+                try:
+                    answer = await self._ask(tag, message)
+                except _WorkerGone:
+                    continue
+                if answer.get("error") != SessionErrorKind.full.value:
+                    if "ok" in answer and tag in self._tags:  # counted now, before its next heartbeat
+                        stats = self._tags[tag][1]
+                        stats["session_room"], stats["sessions"] = stats["session_room"] - 1, stats["sessions"] + 1
+                    return self._routed(tag, answer)
         if not answer:
-            raise SandboxError("the workers chosen for the session went away; retry")
+            raise SessionError(f"each of the {len(self._tags)} live workers holds as many sessions as it may (or "
+                               "is stopping); end some, or retry later", SessionErrorKind.full)
         return answer
 
     async def _ask_all(self, message: dict[str, Any]) -> list[remote_sessions.Answer]:

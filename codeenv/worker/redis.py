@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -162,6 +163,8 @@ class StreamWorker:
         if self._stopping:
             return
         self._stopping = True
+        with contextlib.suppress(RedisError):  # its room for sessions is 0 now: gateways send them elsewhere
+            await self._beat()
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         claim = self._loops[0] if self._loops else None
         if claim is not None:
