@@ -19,7 +19,7 @@ import pytest
 
 from codeenv import ExecRequest, ExecResult, SandboxSettings, SlotPool
 from codeenv.bench.services import Service
-from codeenv.client import AsyncClient, Client
+from codeenv.client import AsyncClient, Client, SessionLost
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, SessionErrorKind
 from codeenv.models import SESSION_KEY_HEADER
 from codeenv.queue.redis import RedisQueue
@@ -894,8 +894,38 @@ async def test_the_client_runs_cells_micro_batched(served: Served) -> None:
             assert len(values) == 1 and results[3].stdout == "a call\n"  # same state, same draw
             for b in branches:
                 await b.close()
-        lost = await s.run("1")
-        assert lost.status == "session_lost"
+        with pytest.raises(SessionLost) as lost:
+            await s.run("1")
+        assert lost.value.cells == 1 and lost.value.status_code == 410
+
+
+async def test_a_lost_session_raises_or_replays_its_kept_cells(served: Served) -> None:
+    """A session that ended under the client (here deleted by another client with its key, as a dead
+    worker would end it) raises SessionLost with the cells it had run; with replay_on_loss its kept
+    cells (not the rolled-back one) run again in a new session, then the cell that found it lost. A
+    fork replays its parent's cells, then its own."""
+    async with served() as url, AsyncClient(url) as client, httpx.AsyncClient(
+            base_url=url, headers={"x-codeenv-session-key": client.session_key}) as other:
+        plain = await client.session(profile="light")
+        await plain.run("x = 1")
+        await other.delete(f"/v1/sessions/{plain.id}")
+        with pytest.raises(SessionLost) as lost:
+            await plain.run("x")
+        assert lost.value.cells == 1 and "ended after 1 cells" in str(lost.value)
+
+        async with client.session(profile="light", replay_on_loss=True) as s:
+            await s.run("x = [1]")
+            assert (await s.run("x.append(2); 1 / 0")).status == "error"  # kept: an exception keeps state
+            assert (await s.run("x.append(3); import time; time.sleep(9)", limits={"wall_s": 0.5})).rolled_back
+            first = s.id
+            await other.delete(f"/v1/sessions/{first}")
+            replayed = await s.run("x")
+            assert replayed.value == "[1, 2]" and s.id != first and s.replays == 1
+            async with s.fork() as f:
+                await f.run("x.append(4)")
+                await other.delete(f"/v1/sessions/{f.id}")
+                assert (await f.run("x")).value == "[1, 2, 4]" and f.replays == 1
+            assert (await s.run("x")).value == "[1, 2]"
 
 
 async def test_a_fork_opened_in_a_with_block_is_closed_after_it(served: Served) -> None:
@@ -906,7 +936,9 @@ async def test_a_fork_opened_in_a_with_block_is_closed_after_it(served: Served) 
             await s.run("x = 1")
             async with s.fork() as f:
                 assert (await f.run("x + 1")).value == "2"
-            assert f.closed and (await f.run("x")).status == "session_lost"
+            assert f.closed
+            with pytest.raises(SessionLost):
+                await f.run("x")
             kept = await s.fork()  # awaited: the caller closes it
             assert (await kept.run("x")).value == "1"
             await kept.close()
@@ -916,6 +948,11 @@ async def test_a_fork_opened_in_a_with_block_is_closed_after_it(served: Served) 
                 t.run("y = 5")
                 with t.fork() as g:
                     value = g.run("y * 2").value
-                return value, g.run("y").status, t.run("y").status
+                try:
+                    g.run("y")
+                    after = "ran"
+                except SessionLost:
+                    after = "lost"
+                return value, after, t.run("y").status
 
-        assert await asyncio.to_thread(blocking) == ("10", "session_lost", "ok")
+        assert await asyncio.to_thread(blocking) == ("10", "lost", "ok")

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import httpx
 
 from codeenv.client.errors import RequestRejected, ServerError, SessionLost, TransportError
-from codeenv.models import ExecRequest, ExecResult, Limits, SessionInfo
+from codeenv.models import SERVICE_FAULTS, ExecRequest, ExecResult, Limits, SessionInfo, Status
 
 
 class Recorder(Protocol):
@@ -33,28 +33,83 @@ class AsyncSession:
     Cells are micro-batched with the client's other calls. A cell stopped by a limit comes back with
     `rolled_back: true` and leaves the session as before it; `value` is the repr of a cell's last
     expression. Each cell carries a cell id, so a cell re-sent after a lost connection attaches to
-    the first one instead of running twice.
+    the first one instead of running twice. A session that ended (its worker died, it expired, it
+    was deleted) raises SessionLost from its next cell, unless it replays (`replay_on_loss`).
+
+    With `replay_on_loss`, the session keeps the code of each cell whose effects it kept, and on a
+    loss runs them again in a new session (of the same profile, limits and idle TTL), then the cell
+    that found the session lost. What replay does not give back: random state that was not seeded in
+    a cell, the time, anything a cell read from outside the session (its process ids, the clock), and
+    objects whose identity a later cell relies on; a replayed cell that does not end as it did the
+    first time (rolled back, refused) ends the replay with SessionLost. `replays` counts them.
     """
 
-    def __init__(self, client: _Client, info: SessionInfo) -> None:
+    def __init__(self, client: _Client, info: SessionInfo, *, origin: dict[str, Any] | None = None,
+                 history: list[tuple[str, str, dict[str, Any]]] | None = None) -> None:
         self._client = client
         self.info = info
         self.id = info.session_id
         self.closed = False
+        self.cells = info.cells
+        self.replays = 0
+        self._origin = origin  # the create request's body, with replay_on_loss
+        self._history = history  # (code, stdin, limits) of each kept cell, with replay_on_loss
 
     async def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None,
                   cell_id: str | None = None, ledger: Recorder | None = None) -> ExecResult:
-        """Run the next cell; its result (status `session_lost` once the session has ended)."""
-        request = ExecRequest(code=code, stdin=stdin, limits=Limits.model_validate(dict(limits or {}), strict=False),
-                              id=uuid.uuid4().hex,
-                              session=self.id, cell_id=cell_id or uuid.uuid4().hex, display_last=True)
+        """Run the next cell; its result. SessionLost once the session has ended (after a replay into
+        a new session, with `replay_on_loss`, only if the replay fails)."""
+        limits_dict = dict(limits or {})
+        result = await self._cell(code, stdin, limits_dict, cell_id, ledger)
+        if result.status is Status.session_lost:
+            if self._history is None or self.closed:
+                raise self._lost(result)
+            await self._replay(result)
+            result = await self._cell(code, stdin, limits_dict, None, ledger)
+            if result.status is Status.session_lost:
+                raise self._lost(result)
+        if result.execution_count is not None:
+            self.cells = result.execution_count
+        if self._history is not None and _kept(result):
+            self._history.append((code, stdin, limits_dict))
+        return result
+
+    async def _cell(self, code: str, stdin: str, limits: dict[str, Any], cell_id: str | None,
+                    ledger: Recorder | None) -> ExecResult:
+        request = ExecRequest(code=code, stdin=stdin, limits=Limits.model_validate(limits, strict=False),
+                              id=uuid.uuid4().hex, session=self.id, cell_id=cell_id or uuid.uuid4().hex,
+                              display_last=True)
         return await self._client.submit(request, ledger=ledger)
+
+    def _lost(self, result: ExecResult) -> SessionLost:
+        return SessionLost(f"session {self.id[:40]}... ended after {self.cells} cells: {result.message}", 410,
+                           cells=self.cells, result=result)
+
+    async def _replay(self, lost: ExecResult) -> None:
+        """Run the kept cells again in a new session, which this one then is; SessionLost if a cell
+        does not end as it did the first time."""
+        assert self._history is not None and self._origin is not None
+        info = await self._client._session_request("POST", "/v1/sessions", self._origin)
+        assert info is not None
+        self.id, self.info = info.session_id, info
+        for code, stdin, limits in self._history:
+            again = await self._cell(code, stdin, limits, None, None)
+            if not _kept(again):
+                await self.close()
+                raise SessionLost(f"session lost after {self.cells} cells ({lost.message}), and its replay failed: "
+                                  f"a cell ended {again.status.value}"
+                                  f"{' (rolled back)' if again.rolled_back else ''}: {again.message}", 410,
+                                  cells=self.cells, result=lost)
+        self.replays += 1
 
     def fork(self) -> SessionStarter:
         """A new session from this one's current state (after its running cell, if any): awaited,
         the fork; used with ``async with s.fork() as f:``, one that is closed at the end of the block
-        (a fork left open lives until its idle TTL)."""
-        return SessionStarter(self._client, f"/v1/sessions/{self.id}/fork", None)
+        (a fork left open lives until its idle TTL). A fork replays as its parent does: its parent's
+        kept cells, then its own."""
+        history = None if self._history is None else list(self._history)
+        return SessionStarter(self._client, f"/v1/sessions/{self.id}/fork", None, origin=self._origin,
+                              history=history)
 
     async def close(self) -> None:
         """End the session (idempotent; one that ended already is fine)."""
@@ -73,14 +128,23 @@ class AsyncSession:
         await self.close()
 
 
+def _kept(result: ExecResult) -> bool:
+    """Whether a cell's effects stay in its session (it ran and was not rolled back)."""
+    return result.started and not result.rolled_back and result.status not in SERVICE_FAULTS
+
+
 class SessionStarter:
     """What `client.session()` and `session.fork()` return: awaited, a started AsyncSession; used
     with `async with`, one that is closed at the end of the block."""
 
-    def __init__(self, client: _Client, path: str, body: dict[str, Any] | None) -> None:
+    def __init__(self, client: _Client, path: str, body: dict[str, Any] | None, *,
+                 origin: dict[str, Any] | None = None,
+                 history: list[tuple[str, str, dict[str, Any]]] | None = None) -> None:
         self._client = client
         self._path = path
         self._body = body
+        self._origin = origin
+        self._history = history
         self._session: AsyncSession | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncSession]:
@@ -89,7 +153,7 @@ class SessionStarter:
     async def _start(self) -> AsyncSession:
         info = await self._client._session_request("POST", self._path, self._body)
         assert info is not None
-        return AsyncSession(self._client, info)
+        return AsyncSession(self._client, info, origin=self._origin, history=self._history)
 
     async def __aenter__(self) -> AsyncSession:
         self._session = await self._start()

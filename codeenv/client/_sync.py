@@ -87,7 +87,15 @@ class Session:
     def __init__(self, client: Client, inner: AsyncSession) -> None:
         self._client = client
         self._inner = inner
-        self.id = inner.id
+
+    @property
+    def id(self) -> str:
+        """The session's id (a new one after a replay)."""
+        return self._inner.id
+
+    @property
+    def cells(self) -> int:
+        return self._inner.cells
 
     def run(self, code: str, **options: Any) -> ExecResult:
         return self._client._call(self._inner.run(code, **options))

@@ -39,4 +39,12 @@ class RequestRejected(ServerError):
 
 
 class SessionLost(ServerError):
-    """The session ended (expired, evicted, deleted, its worker restarted) or never existed there."""
+    """The session ended (expired, evicted, deleted, its worker restarted or died) or never existed
+    there. From a cell: `cells` is how many cells the session had run (its last execution_count seen
+    by this client), `result` the cell's `session_lost` result."""
+
+    def __init__(self, message: str, status_code: int | None = None, *, cells: int | None = None,
+                 result: object | None = None) -> None:
+        super().__init__(message, status_code)
+        self.cells = cells
+        self.result = result
