@@ -1,9 +1,12 @@
 """Live sessions: what they cost and what they save, in one run.
 
-    python benchmarks/sessions.py trajectory [--cells 16] [--trajectories 4] [--rounds 5] [--json out.json]
+    python benchmarks/sessions.py trajectory [--mode embedded|processes|redis] [--cells 16] [--trajectories 4]
+                                             [--rounds 5] [--json out.json]
     python benchmarks/sessions.py idle [--sessions 1000] [--json out.json]
 
-trajectory: one `codeenv serve` (a real uvicorn process, embedded pool). A trajectory is `--cells`
+trajectory: one `codeenv serve` (a real uvicorn process, embedded pool; `--mode processes`: `serve
+--processes 2`; `--mode redis`: a private redis-server, one `codeenv worker` and `serve --redis
+--processes 2`; `--engine`: a pool in this process, no HTTP). A trajectory is `--cells`
 cells of about 10 ms of CPU each, every cell using the state the earlier ones left. It runs two
 ways, taking turns round by round, `--trajectories` at a time:
 
@@ -14,7 +17,9 @@ ways, taking turns round by round, `--trajectories` at a time:
 Both through codeenv.client (micro-batched, as an RL trainer sends them).
 
 It reports the ratio replay / session per round (median, min, max), and a 2x-long trajectory's time
-over a 1x one, through sessions (linear: 2.0; replay is quadratic).
+over a 1x one, through sessions (linear: 2.0; replay is quadratic). Over HTTP also the service's
+own CPU per cell (gateway, pool and worker processes, from /proc, the jails left out) against per
+stateless call of the same code, both sent one at a time in the same run, round by round.
 
 idle: at the engine (a SlotPool in this process, no HTTP). `--sessions` sessions are created in a
 burst, each then runs a cell that imports sympy and builds a small state, and stays alive. Reported:
@@ -29,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +44,7 @@ from typing import Any
 from rich.console import Console
 
 from codeenv import ExecRequest, SandboxSettings, SlotPool
-from codeenv.bench.services import free_port, start_codeenv
+from codeenv.bench.services import free_port, start_codeenv, start_redis
 from codeenv.client import AsyncClient
 from codeenv.sandbox.sizing import meminfo_bytes
 
@@ -108,6 +114,35 @@ class EngineClient:
         return await self.pool.run(ExecRequest(code=code, display_last=display_last, profile=profile))
 
 
+def _stat_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def service_cpu_s(roots: list[int]) -> float:
+    """CPU seconds used so far by the service's own processes: `roots` and their descendants, but
+    no jail (an nsjail process and what runs under it)."""
+    total, todo = 0.0, list(roots)
+    while todo:
+        pid = todo.pop()
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "nsjail":
+                continue
+            total += _stat_cpu_s(pid)
+        except OSError:
+            continue
+        todo += _children(pid)
+    return total
+
+
 @contextlib.asynccontextmanager
 async def a_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     if args.engine:
@@ -115,12 +150,46 @@ async def a_client(args: argparse.Namespace) -> AsyncIterator[Any]:
             yield EngineClient(pool)
         return
     env = {"PATH": "/usr/bin:/bin", **({"CODEENV_SLOTS": str(args.slots)} if args.slots else {})}
-    service = start_codeenv("serve", port=free_port(), env=env).wait_ready(300)
+    started: list[Any] = []
     try:
+        if args.mode == "redis":
+            redis = start_redis()
+            started.append(redis)
+            started.append(start_codeenv("worker", "--redis", redis.url, env=env))
+            service = start_codeenv("serve", "--redis", redis.url, "--no-local-worker", "--processes", "2",
+                                    port=free_port(), env=env)
+        elif args.mode == "processes":
+            service = start_codeenv("serve", "--processes", "2", port=free_port(), env=env)
+        else:
+            service = start_codeenv("serve", port=free_port(), env=env)
+        started.append(service)
+        service.wait_ready(300)
+        SERVICE_PIDS[:] = [s.pid for s in started if s.name != "redis-server"]
         async with AsyncClient(service.url) as client:
             yield client
     finally:
-        service.kill()
+        for s in reversed(started):
+            s.kill()
+
+
+SERVICE_PIDS: list[int] = []
+
+
+async def cpu_per_cell_and_call(client: AsyncClient, code: str, n: int) -> tuple[float, float]:
+    """The service's CPU per cell (one session, cells one at a time) and per stateless call of the
+    same code (one at a time), in ms."""
+    async with client.session(profile="light") as session:
+        await session.run(code)
+        t0 = service_cpu_s(SERVICE_PIDS)
+        for _ in range(n):
+            assert (await session.run(code)).status == "ok"
+        cell = (service_cpu_s(SERVICE_PIDS) - t0) / n
+    await client.run(code, profile="light")
+    t0 = service_cpu_s(SERVICE_PIDS)
+    for _ in range(n):
+        assert (await client.run(code, profile="light")).status == "ok"
+    call = (service_cpu_s(SERVICE_PIDS) - t0) / n
+    return cell * 1000, call * 1000
 
 
 async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +200,12 @@ async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"a cell alone (one call): {statistics.median(alone) * 1000:.1f} ms of CPU")
         CELL_CPU_S.clear()
         ratios, growth, rows = [], [], []
+        cpu_rows: list[tuple[float, float]] = []
         for rnd in range(args.rounds):
+            if not args.engine:
+                cpu_rows.append(await cpu_per_cell_and_call(client, cells[0], 50))
+                console.print(f"round {rnd}: service CPU per cell {cpu_rows[-1][0]:.2f} ms, per call "
+                              f"{cpu_rows[-1][1]:.2f} ms")
             session_s = await timed(through_session, client, cells, args.trajectories)
             replay_s = await timed(replayed, client, cells, args.trajectories)
             double_s = await timed(through_session, client, trajectory_cells(2 * args.cells), args.trajectories)
@@ -142,7 +216,13 @@ async def trajectory(args: argparse.Namespace) -> dict[str, Any]:
                           f"({replay_s / session_s:.2f}x); {2 * args.cells} cells {double_s:.2f}s "
                           f"({double_s / session_s:.2f}x)")
     console.print(f"a cell's CPU time in its session: {statistics.median(CELL_CPU_S) * 1000:.1f} ms (median)")
-    return {"through": "engine" if args.engine else "http", "cells": args.cells,
+    extra: dict[str, Any] = {}
+    if cpu_rows:
+        extra = {"service_cpu_ms_per_cell": summary([c for c, _ in cpu_rows]),
+                 "service_cpu_ms_per_call": summary([c for _, c in cpu_rows]),
+                 "cell_minus_call_ms": summary([c - d for c, d in cpu_rows])}
+        console.print(extra)
+    return {"through": "engine" if args.engine else f"http, {args.mode}", "cells": args.cells, **extra,
         "trajectories_at_once": args.trajectories, "rounds": rows,
         "cell_alone_cpu_ms": round(statistics.median(alone) * 1000, 2),
         "cell_in_session_cpu_ms": round(statistics.median(CELL_CPU_S) * 1000, 2),
@@ -224,6 +304,8 @@ def main() -> None:
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--slots", type=int, default=None)
     t.add_argument("--engine", action="store_true", help="at the engine (a pool in this process), not over HTTP")
+    t.add_argument("--mode", choices=("embedded", "processes", "redis"), default="embedded",
+                   help="over HTTP: which deployment serves it")
     t.add_argument("--json", type=Path)
     i = sub.add_parser("idle")
     i.add_argument("--sessions", type=int, default=1000)

@@ -132,6 +132,7 @@ class RedisQueue:
         self._snapshot: dict[str, float] = dict(NO_STATS)
         self._workers_seen: set[str] = set()  # the live workers at the last snapshot
         self._tags: dict[str, tuple[str, dict[str, Any]]] = {}  # tag -> (name, stats) of the live workers
+        self._refreshed = 0.0  # time.monotonic() of the last snapshot
         self._draining = False
         self._asks = itertools.count(1)
         self._answers: dict[int, asyncio.Future[remote_sessions.Answer]] = {}  # session requests out
@@ -296,7 +297,7 @@ class RedisQueue:
     async def _worker(self, tag: str) -> str | None:
         """The name of the live worker with this tag, or None."""
         found = self._tags.get(tag)
-        if found is None:
+        if found is None and time.monotonic() - self._refreshed > WORKER_CHECK_S:
             await self._refresh_snapshot()  # a worker newer than the last snapshot
             found = self._tags.get(tag)
         return None if found is None else found[0]
@@ -323,8 +324,12 @@ class RedisQueue:
                 done, _ = await asyncio.wait([future], timeout=every)
                 if done:
                     return future.result()
-                if not await self._r.exists(self.keys.alive(name)):
-                    taken = not await self._r.lrem(inbox, 1, text)
+                try:
+                    alive = bool(await self._r.exists(self.keys.alive(name)))
+                    taken = alive or not await self._r.lrem(inbox, 1, text)
+                except RedisError:  # Redis is away: the answer may still come, or the worker's death
+                    alive = True
+                if not alive:
                     if future.done():
                         return future.result()
                     raise _WorkerGone(taken)
@@ -675,6 +680,7 @@ class RedisQueue:
         live = list(stats.values())
         self._workers_seen = set(alive)
         self._tags = {w["tag"]: (n, w) for n, w in stats.items() if w.get("tag")}
+        self._refreshed = time.monotonic()
         oldest = 0.0
         if group is not None and found[len(names):] and found[-1]:
             entry_ms = int(found[-1][0][0].split("-")[0])

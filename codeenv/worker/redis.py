@@ -195,6 +195,10 @@ class StreamWorker:
         await asyncio.gather(*self._loops, return_exceptions=True)
         if self._own_pool:
             await self.pool.close()  # kills what still runs; those calls are answered by a reclaimer
+        if self._session_tasks:  # cells the pool's close ended: their answers (session_lost) go out
+            await asyncio.wait(self._session_tasks, timeout=5)
+            for task in self._session_tasks:
+                task.cancel()
         for job in list(self._held.values()):
             if job.task is not None:
                 job.task.cancel()
@@ -227,7 +231,6 @@ class StreamWorker:
         deadline = time.monotonic() + self.settings.session_drain_s
         while manager.sessions and time.monotonic() < deadline and not self._force.is_set():  # noqa: ASYNC110
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # (sessions end in many places)
-        await self._beat()  # its last figures, with its sessions as they end
 
     async def _hand_back(self, jobs: list[_Job]) -> None:
         """Put claimed jobs that never reached a slot back in the stream, for other workers."""
@@ -497,9 +500,9 @@ class StreamWorker:
                 delay = min(2.0, delay * 2)
 
     async def _serve(self, message: dict[str, Any]) -> remote_sessions.Answer:
-        if message.get("op") == "create" and self._stopping:
-            return {"error": "full", "message": "this worker is stopping: it takes no new session; retry (another "
-                                                "worker takes it)"}
+        if message.get("op") in ("create", "fork") and self._stopping:
+            return {"error": "full", "message": "this worker is stopping: it takes no new session (a new one goes "
+                                                "to another worker; a fork of one of its sessions cannot)"}
         if message.get("op") != "cell":
             return await remote_sessions.serve(self._sessions, message)
         request = ExecRequest.model_validate(message["request"])
