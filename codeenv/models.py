@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     JsonValue,
     PrivateAttr,
+    field_validator,
     model_validator,
 )
 
@@ -218,10 +219,16 @@ class ExecRequest(BaseModel):
         return self
 
 
+#: A session id the client chooses: visible ASCII of a small alphabet; not beginning with hex digits
+#: and a dot, the shape of the ids the service makes (a worker's tag, then epoch.counter.MAC).
+CLIENT_SESSION_ID = r"^(?![0-9a-f]{1,16}\.)[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$"
+SERVICE_ID_START = re.compile(r"[0-9a-f]{1,16}\.", re.ASCII)
+
+
 class SessionCreate(BaseModel):
     """A new live session (POST /v1/sessions)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re", json_schema_extra={"examples": [
         {"profile": "math", "limits": {"wall_s": 10}, "idle_ttl_s": 600},
     ]})
 
@@ -231,6 +238,19 @@ class SessionCreate(BaseModel):
     idle_ttl_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False,
                                      description="it ends after this long without a cell (default: the server's, "
                                                  "10 minutes)")
+    session_id: str | None = Field(None, pattern=CLIENT_SESSION_ID,
+                                   description="an id of the caller's choosing (1 to 128 of A-Z a-z 0-9 _ . : -, "
+                                               "not beginning with hex digits and a dot): the session answers to "
+                                               "it for this caller's session key only; 409 while the caller has a "
+                                               "live session of that id. Default: the service makes one")
+
+    @field_validator("session_id", mode="before")
+    @classmethod
+    def _not_the_service_shape(cls, value: object) -> object:
+        if isinstance(value, str) and SERVICE_ID_START.match(value):
+            raise ValueError("a session_id that begins with hex digits and a dot has the shape of the ids the "
+                             "service makes; choose another")
+        return value
 
 
 class SessionCell(BaseModel):

@@ -51,6 +51,36 @@ async def per_worker(url: str, name: str, until: Any, timeout_s: float = 15) -> 
         await asyncio.sleep(0.2)
 
 
+async def a_chosen_id_routes(url: str) -> None:
+    """A session created under an id the client chose answers to it (for its key only) from every
+    gateway process: its cells, listing, conflict while it lives, 410 after its delete, reuse."""
+    made = await ask(url, "POST", "/v1/sessions", {"profile": "light", "session_id": "rollout-7:turn_0"})
+    assert made.status_code == 201 and made.json()["session_id"] == "rollout-7:turn_0", made.text
+    assert made.headers["location"] == "/v1/sessions/rollout-7:turn_0"
+    assert (await cell(url, "rollout-7:turn_0", "n = 0"))["session"] == "rollout-7:turn_0"
+    assert await counts_from_every_process(url, "rollout-7:turn_0", 3) == ["1", "2", "3"]
+    again = await ask(url, "POST", "/v1/sessions", {"profile": "light", "session_id": "rollout-7:turn_0"})
+    assert again.status_code == 409, again.text
+    other_key = {"x-codeenv-session-key": "another-callers-key"}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=other_key) as o:
+        assert (await o.get("/v1/sessions/rollout-7:turn_0")).status_code == 404
+        assert (await o.post("/v1/sessions/rollout-7:turn_0/execute", json={"code": "n"})).status_code == 404
+        theirs = await o.post("/v1/sessions", json={"profile": "light", "session_id": "rollout-7:turn_0"})
+        assert theirs.status_code == 201, theirs.text  # the same name, another caller: another session
+        assert (await o.post("/v1/sessions/rollout-7:turn_0/execute", json={"code": "'n' in dir()"})).json()[
+            "value"] == "False"
+        assert (await o.delete("/v1/sessions/rollout-7:turn_0")).status_code == 204
+    listed = [s["session_id"] for s in (await ask(url, "GET", "/v1/sessions")).json()["sessions"]]
+    assert "rollout-7:turn_0" in listed
+    assert (await ask(url, "DELETE", "/v1/sessions/rollout-7:turn_0")).status_code == 204
+    assert (await cell(url, "rollout-7:turn_0", "n"))["http"] == 410
+    reused = await ask(url, "POST", "/v1/sessions", {"profile": "light", "session_id": "rollout-7:turn_0"})
+    assert reused.status_code == 201 and (await cell(url, "rollout-7:turn_0", "'n' in dir()"))["value"] == "False"
+    assert (await ask(url, "DELETE", "/v1/sessions/rollout-7:turn_0")).status_code == 204
+    shaped = await ask(url, "POST", "/v1/sessions", {"session_id": "0a.1.x"})
+    assert shaped.status_code == 422 and "shape of the ids the service makes" in shaped.text
+
+
 async def counts_from_every_process(url: str, sid: str, times: int) -> list[str | None]:
     """`times` cells that each add one to the session's `n`, each on a new connection."""
     return [(await cell(url, sid, "n += 1; n")).get("value") for _ in range(times)]
@@ -83,6 +113,7 @@ async def test_with_processes_every_gateway_process_reaches_every_session(tmp_pa
         assert (await ask(service.url, "DELETE", f"/v1/sessions/{fid}")).status_code == 204
         assert (await cell(service.url, fid, "n"))["http"] == 410
         assert (await ask(service.url, "POST", "/v1/sessions/nonsense/fork")).status_code == 404
+        await a_chosen_id_routes(service.url)
     finally:
         assert await service.stop_async(60) == 0
 
@@ -129,6 +160,7 @@ async def test_with_redis_sessions_live_on_their_worker_and_die_with_it(redis_se
         second = (await ask(url, "POST", f"/v1/sessions/{sessions[1]}/execute", again)).json()
         assert first["value"] == second["value"] == "113"
         assert (await ask(url, "GET", f"/v1/sessions/{_tag(sessions[0])}.0.1.{'A' * 24}")).status_code == 404
+        await a_chosen_id_routes(url)
 
         # A worker SIGKILLed mid-cell: its sessions answer 410 soon; the other's go on.
         doomed_tag = _tag(sessions[0])

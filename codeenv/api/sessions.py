@@ -87,7 +87,8 @@ def _all_sessions(api: APIRouter, gateway: Gateway) -> None:
 
     @api.post(PREFIX, status_code=201, response_model=SessionInfo,
               openapi_extra=body_schema("SessionCreate", required=False),
-              responses={k: v for k, v in ERRORS.items() if k not in (404, 410)})
+              responses={**{k: v for k, v in ERRORS.items() if k not in (404, 410)},
+                         409: {"description": "you have a live session of the session_id you chose"}})
     async def create(request: Request) -> Response:
         """Start a live session: an interpreter whose globals, imports, open files and work dir last
         from cell to cell, until it is deleted or idle for `idle_ttl_s`."""
@@ -96,7 +97,7 @@ def _all_sessions(api: APIRouter, gateway: Gateway) -> None:
         key = session_key(request)
         made = None if key is not None else secrets.token_urlsafe(32)
         try:
-            info = await service.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made))
+            info = await service.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made), body.session_id)
         except SessionError as exc:
             raise session_error(exc) from None
         except InvalidRequest as exc:

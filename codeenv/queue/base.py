@@ -59,8 +59,9 @@ class SessionService(Protocol):
     """
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes) -> SessionInfo:
-        """A new session (and family) of `owner`."""
+                     owner: bytes, session_id: str | None = None) -> SessionInfo:
+        """A new session (and family) of `owner`; `session_id`: an id of the caller's choosing, for
+        `owner` only (SessionError conflict while `owner` has a live session of that id)."""
         ...
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

@@ -45,8 +45,8 @@ class PoolSessions:
         return manager
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes) -> SessionInfo:
-        session = await self._manager().create(profile, limits, idle_ttl_s, owner)
+                     owner: bytes, session_id: str | None = None) -> SessionInfo:
+        session = await self._manager().create(profile, limits, idle_ttl_s, owner, session_id)
         return SessionInfo(**session.describe())
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

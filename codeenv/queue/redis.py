@@ -36,7 +36,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from codeenv.errors import QueueUnavailable, SandboxError, SessionError, SessionErrorKind, id_taken, session_not_found
-from codeenv.models import ExecRequest, ExecResult, Refusal, Status
+from codeenv.models import SERVICE_ID_START, ExecRequest, ExecResult, Refusal, Status
 from codeenv.queue import remote_sessions
 from codeenv.queue.base import NO_STATS, OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.queue.embedded import STOPPING, fingerprint
@@ -259,13 +259,11 @@ class RedisQueue:
     async def _cell(self, request: ExecRequest, future: asyncio.Future[ExecResult], accepted: float) -> None:
         """A session's cell, run by its session's worker."""
         assert request.session is not None
-        shape = ROUTED_ID.fullmatch(request.session)
         message = {"op": "cell", "owner": request._owner.hex(), "t": time.time() - (time.monotonic() - accepted)}
         try:
-            if shape is None:
-                raise session_not_found(request.session)
-            local = request.model_copy(update={"session": shape[2]})
-            answer = await self._ask(shape[1], {**message, "request": local.model_dump(mode="json")})
+            tag, known_as = await self._route(request.session, request._owner.hex())
+            local = request.model_copy(update={"session": known_as})
+            answer = await self._ask(tag, {**message, "request": local.model_dump(mode="json")})
             remote_sessions.raise_error(answer)
             result = ExecResult.model_validate(answer["result"])
             result.session = request.session
@@ -339,11 +337,26 @@ class RedisQueue:
             self._answers.pop(n, None)
 
     def _routed(self, tag: str, answer: remote_sessions.Answer) -> remote_sessions.Answer:
-        """The answer with its sessions' ids as clients see them."""
+        """The answer with its sessions' ids as clients see them: the ids the worker made begin with
+        its tag; an id a client chose stays as it is."""
         ok = answer.get("ok")
         for info in ok if isinstance(ok, list) else [ok] if isinstance(ok, dict) else []:
-            info["session_id"] = f"{tag}.{info['session_id']}"
+            if SERVICE_ID_START.match(info["session_id"]):
+                info["session_id"] = f"{tag}.{info['session_id']}"
         return answer
+
+    async def _route(self, session_id: str, owner: str) -> tuple[str, str]:
+        """The tag of the worker that holds `session_id` (for `owner`, hex), and the id that worker
+        knows it by; SessionError not_found for an id of neither shape, or one no gateway named."""
+        shape = ROUTED_ID.fullmatch(session_id)
+        if shape is not None:
+            return shape[1], shape[2]
+        if SERVICE_ID_START.match(session_id):
+            raise session_not_found(session_id)
+        tag = await self._r.get(self.keys.named(owner, session_id))
+        if tag is None:
+            raise session_not_found(session_id)
+        return str(tag), session_id
 
     async def _ask_session(self, message: dict[str, Any], session_id: str | None) -> remote_sessions.Answer:
         if self._down is not None:
@@ -351,10 +364,9 @@ class RedisQueue:
         try:
             if session_id is None:
                 return await self._create(message)
-            shape = ROUTED_ID.fullmatch(session_id)
-            if shape is None:
-                raise session_not_found(session_id)
-            return self._routed(shape[1], await self._ask(shape[1], {**message, "id": shape[2]}))
+            tag, known_as = await self._route(session_id, message["owner"])
+            # A name's entry outlives its session's delete: its worker answers it 410 until it is reused.
+            return self._routed(tag, await self._ask(tag, {**message, "id": known_as}))
         except _WorkerGone as exc:
             if session_id is None:
                 raise SandboxError(f"the worker chosen for the session {exc}; retry") from None
@@ -372,6 +384,17 @@ class RedisQueue:
             await self._refresh_snapshot()
         tried: set[str] = set()
         answer: remote_sessions.Answer = {}
+        named = message.get("session_id")
+        if named is not None:  # a name the caller chose: its worker decides (409 while it is live there)
+            key = self.keys.named(message["owner"], named)
+            holder = await self._r.get(key)
+            if holder is not None and await self._worker(str(holder)) is not None:
+                tried.add(str(holder))
+                answer = await self._ask(str(holder), message)
+                if answer.get("error") != SessionErrorKind.full.value:
+                    if "ok" in answer:
+                        await self._r.set(key, str(holder), ex=self._named_ttl_s())
+                    return self._routed(str(holder), answer)
         for fresh in (False, True):
             if fresh:
                 await self._refresh_snapshot()
@@ -390,11 +413,17 @@ class RedisQueue:
                     if "ok" in answer and tag in self._tags:  # counted now, before its next heartbeat
                         stats = self._tags[tag][1]
                         stats["session_room"], stats["sessions"] = stats["session_room"] - 1, stats["sessions"] + 1
+                    if "ok" in answer and named is not None:
+                        await self._r.set(self.keys.named(message["owner"], named), tag, ex=self._named_ttl_s())
                     return self._routed(tag, answer)
         if not answer:
             raise SessionError(f"each of the {len(self._tags)} live workers holds as many sessions as it may (or "
                                "is stopping); end some, or retry later", SessionErrorKind.full)
         return answer
+
+    def _named_ttl_s(self) -> int:
+        """How long a name a client chose routes to its worker: the longest a session may live."""
+        return int(self.settings.session_max_lifetime_s) + 60
 
     async def _ask_all(self, message: dict[str, Any]) -> list[remote_sessions.Answer]:
         tags = list(self._tags)

@@ -18,6 +18,9 @@ The keys, all under one prefix (default ``codeenv``):
 ``P:inbox:TAG``           the requests for one worker's sessions (create, fork, delete, their
                           cells: `codeenv.queue.remote_sessions`), read by that worker alone
                           (BLMPOP); TAG is the last part of the worker's name
+``P:named:OWNER:ID``      the tag of the worker that holds the session its owner (the hash of its
+                          session key, hex) named ID (an id the client chose), for the longest a
+                          session may live
 ``P:jobs:no-id``          never written: stands for "no client id" among a script's keys
 ========================  =====================================================================
 
@@ -35,7 +38,8 @@ a Sentinel-managed one) >= 7.0.
 Sessions are not jobs: a session lives in the worker that created it, so requests about it go to
 that worker's inbox, never to the stream, and its answer comes back in the gateway's reply list as
 ``~N`` newline ``ANSWER`` (N: the gateway's request number). A session id seen by clients is the
-worker's tag, a dot, and the id the worker's pool made. A worker that dies takes its sessions with
+worker's tag, a dot, and the id the worker's pool made, or an id the client chose (found through
+``P:named``). A worker that dies takes its sessions with
 it: a gateway waiting on one answers `session_lost` once the worker's heartbeat expires.
 """
 
@@ -99,6 +103,9 @@ class Keys:
 
     def inbox(self, tag: str) -> str:
         return f"{self.prefix}:inbox:{tag}"
+
+    def named(self, owner: str, session_id: str) -> str:
+        return f"{self.prefix}:named:{owner}:{session_id}"
 
 
 # --- the scripts ---------------------------------------------------------------------------------

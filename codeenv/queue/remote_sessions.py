@@ -4,7 +4,8 @@ created it; every request about it goes there, whichever gateway process receive
 
 One message shape for both transports. A request is a JSON object with ``op`` (``create``,
 ``lookup``, ``fork``, ``delete``, ``describe``), ``owner`` (the hash of the caller's session key,
-hex) and the op's own fields (``id``; ``profile``, ``limits``, ``idle_ttl_s``). The answer is
+hex) and the op's own fields (``id``; ``profile``, ``limits``, ``idle_ttl_s``, ``session_id``: one
+the caller chose). The answer is
 ``{"ok": ...}`` (a session's description, a list of them, or null) or ``{"error": KIND, "message":
 ...}``, KIND a SessionErrorKind value, ``invalid`` (422) or ``failed`` (the host refused a family's
 set-up: 503). A session's cells are calls (ExecRequest.session): each transport carries them as it
@@ -31,7 +32,8 @@ async def serve(sessions: SessionService, message: dict[str, Any]) -> Answer:
         op = message["op"]
         if op == "create":
             limits = None if message.get("limits") is None else Limits.model_validate(message["limits"])
-            info = await sessions.create(message.get("profile"), limits, message.get("idle_ttl_s"), owner)
+            info = await sessions.create(message.get("profile"), limits, message.get("idle_ttl_s"), owner,
+                                         message.get("session_id"))
             return {"ok": info.model_dump(exclude_none=True)}
         if op == "describe":
             return {"ok": [i.model_dump(exclude_none=True) for i in await sessions.describe(owner)]}
@@ -87,9 +89,10 @@ class RemoteSessions:
         return SessionInfo.model_validate(answer["ok"])
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes) -> SessionInfo:
+                     owner: bytes, session_id: str | None = None) -> SessionInfo:
         message: dict[str, Any] = {"op": "create", "owner": owner.hex(), "profile": profile, "idle_ttl_s": idle_ttl_s,
-                                   "limits": None if limits is None else limits.model_dump(exclude_none=True)}
+                                   "limits": None if limits is None else limits.model_dump(exclude_none=True),
+                                   "session_id": session_id}
         return await self._info(message, None)
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

@@ -94,6 +94,11 @@ def cells_at_once(slots: int) -> int:
 SESSION_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,16})\.([A-Za-z0-9_-]{24})", re.ASCII)
 
 
+def _alias_key(owner: bytes, alias: str) -> str:
+    """Where an ended session known by an id its owner chose is remembered (beside the ids made)."""
+    return f"{owner.hex()}/{alias}"
+
+
 def _mem_available() -> int:
     available = meminfo_bytes("MemAvailable")
     return 1 << 62 if available is None else available
@@ -129,6 +134,7 @@ class SessionManager:
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.epoch = time.time_ns() // 1_000_000
         self._counter = itertools.count(1)
+        self._aliases: dict[tuple[bytes, str], str] = {}  # (owner, the id it chose) -> the session's id
         self._key = _session_key(settings.state_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._spares: dict[str, asyncio.Task[Family]] = {}
@@ -155,6 +161,14 @@ class SessionManager:
         session = self.sessions.get(session_id)
         if session is not None and hmac.compare_digest(session.owner, owner):
             return session
+        named = self._aliases.get((owner, session_id))
+        if named:
+            session = self.sessions.get(named)
+            if session is not None:
+                return session
+        why = self._ended.get(_alias_key(owner, session_id))
+        if why is not None:
+            raise session_lost(session_id, why)
         shape = SESSION_ID.fullmatch(session_id)
         if shape is not None:
             epoch, counter = int(shape[1], 16), int(shape[2], 16)
@@ -219,10 +233,11 @@ class SessionManager:
             raise InvalidRequest(str(exc)) from None
 
     async def create(self, profile_name: str | None = None, limits: Limits | None = None,
-                     idle_ttl_s: float | None = None, owner: bytes = b"") -> Session:
-        """A new session (and family) of `owner` (the hash of its creator's key). InvalidRequest for a
-        bad profile or limits; SessionError (full) when the worker holds as many as it may (or is short
-        of memory with every session busy)."""
+                     idle_ttl_s: float | None = None, owner: bytes = b"", alias: str | None = None) -> Session:
+        """A new session (and family) of `owner` (the hash of its creator's key), known as `alias` (an
+        id its creator chose: for this owner only) when given. InvalidRequest for a bad profile or
+        limits; SessionError (full) when the worker holds as many as it may (or is short of memory
+        with every session busy); (conflict) when `owner` has a live session known as `alias`."""
         s = self.settings
         if self.sessions_max == 0:
             raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)",
@@ -242,16 +257,30 @@ class SessionManager:
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
         self._admit(owner)
-        await self._make_room(owner)
-        family = await self._take_spare(profile)
-        if family is None:
-            family = await self._start_family(profile)
+        named = (owner, alias) if alias is not None else None
+        if named is not None:
+            if named in self._aliases:
+                raise SessionError(f"you have a live session {alias!r} already: delete it, or choose another id",
+                                   SessionErrorKind.conflict)
+            self._aliases[named] = ""  # taken while the session starts
+        try:
+            await self._make_room(owner)
+            family = await self._take_spare(profile)
+            if family is None:
+                family = await self._start_family(profile)
+        except BaseException:
+            if named is not None:
+                self._aliases.pop(named, None)
+            raise
         self._refill(profile)
         session = Session(self._new_id(owner), 0, family, owner, profile.name, idle_ttl_s or s.session_idle_ttl_s,
-                          limits)
+                          limits, alias=alias)
         logger.debug("session family %d started (%s)", family.fid, profile.name)  # ids are secrets: never logged
         family.sessions[0] = session
         self.sessions[session.id] = session
+        if named is not None:
+            self._aliases[named] = session.id
+            self._ended.pop(_alias_key(owner, session.public_id), None)
         return session
 
     def _admit(self, owner: bytes) -> None:
@@ -411,6 +440,9 @@ class SessionManager:
     def _forget(self, session: Session, why: str) -> None:
         self.sessions.pop(session.id, None)
         self._ended[session.id] = why
+        if session.alias is not None:
+            self._aliases.pop((session.owner, session.alias), None)
+            self._ended[_alias_key(session.owner, session.alias)] = why
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         for fut in session.cell_ids.values():
@@ -569,7 +601,7 @@ class SessionManager:
         try:
             async with session.family.lock:
                 if session.family.ended is not None or self.sessions.get(session.id) is not session:
-                    raise session_lost(session.id, self._ended.get(session.id, "it ended"))
+                    raise session_lost(session.public_id, self._ended.get(session.id, "it ended"))
                 queue_s = time.monotonic() - queued
                 session.cells += 1
                 try:
@@ -590,7 +622,7 @@ class SessionManager:
             session.busy -= 1
             session.last_used = time.monotonic()
         self.counts["cells"] += 1
-        result.session = session.id
+        result.session = session.public_id
         result.execution_count = session.cells
         result = self._finish(request, result, profile)
         result.queue_s = round(queue_s, 6)
@@ -640,7 +672,7 @@ class SessionManager:
             except OSError:
                 call.close_theirs()
                 await self._end_family(family, "its processes were lost")
-                raise session_lost(session.id, "its processes were lost") from None
+                raise session_lost(session.public_id, "its processes were lost") from None
             call.close_theirs()
             t0 = time.monotonic()
             drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)

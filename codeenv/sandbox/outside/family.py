@@ -87,15 +87,21 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     cells: int = 0
     busy: int = 0  # cells running or waiting
+    alias: str | None = None  # the id its creator chose, if it chose one (what the session answers to)
     cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
         default_factory=collections.OrderedDict)
+
+    @property
+    def public_id(self) -> str:
+        """The id its owner knows it by: the one it chose, else the one the service made."""
+        return self.alias if self.alias is not None else self.id
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         memory = None
         with contextlib.suppress(OSError, ValueError):
             memory = self.family.cgroup.memory_usage()
-        return {"session_id": self.id, "profile": self.profile, "age_s": round(now - self.created, 3),
+        return {"session_id": self.public_id, "profile": self.profile, "age_s": round(now - self.created, 3),
                 "idle_s": round(0.0 if self.busy else now - self.last_used, 3), "cells": self.cells,
                 "family_memory_bytes": memory, "family_sessions": len(self.family.sessions),
                 "idle_ttl_s": self.idle_ttl_s}
