@@ -19,6 +19,7 @@ import pytest
 
 from codeenv.bench.services import Service, free_port, start_codeenv
 from tests.conftest import start_service
+from tests.test_pool_process import _pool_process
 from tests.test_redis import WorkerProcess, wait_for_workers
 
 KEY = {"x-codeenv-session-key": "the-routing-tests-own-session-key"}
@@ -114,8 +115,21 @@ async def test_with_processes_every_gateway_process_reaches_every_session(tmp_pa
         assert (await cell(service.url, fid, "n"))["http"] == 410
         assert (await ask(service.url, "POST", "/v1/sessions/nonsense/fork")).status_code == 404
         await a_chosen_id_routes(service.url)
+
+        # The pool process SIGKILLed (as a dead worker): its sessions die with it, and once the
+        # supervisor has restarted it, their ids answer 410 from every gateway process.
+        pool_pid = _pool_process(service.pid)
+        assert pool_pid is not None
+        os.kill(pool_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (lost := await cell(service.url, sid, "n"))["http"] != 410:
+            assert lost["status"] in ("overloaded", "internal_error"), lost  # the pool process is away
+            assert time.monotonic() < deadline, lost
+            await asyncio.sleep(0.2)
+        assert lost["status"] == "session_lost" and "restarted" in lost["message"], lost
+        assert (await ask(service.url, "POST", "/v1/sessions", {"profile": "light"})).status_code == 201
     finally:
-        assert await service.stop_async(60) == 0
+        assert await service.stop_async(60) in (0, -15)
 
 
 def _tag(session_id: str) -> str:
