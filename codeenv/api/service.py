@@ -127,7 +127,8 @@ def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
     if named:
         who = owner(key)
         for call in calls:
-            call._owner = who
+            if not call._owner:  # a route that names the owner itself (NeMo-Skills') keeps it
+                call._owner = who
 
 
 class Gateway:
