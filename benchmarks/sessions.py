@@ -169,7 +169,7 @@ async def a_client(args: argparse.Namespace) -> AsyncIterator[Any]:
             yield client
     finally:
         for s in reversed(started):
-            s.kill()
+            s.stop(30)  # SIGTERM: `serve --processes N` stops its gateway and pool processes (a SIGKILL orphans them)
 
 
 SERVICE_PIDS: list[int] = []
