@@ -145,10 +145,7 @@ class EmbeddedQueue:
 
     def worker_figures(self) -> dict[str, dict[str, float]]:
         manager = self.pool.sessions
-        if manager is None:
-            return {}
-        room = 0 if self._draining else max(0, manager.sessions_max - len(manager.sessions))
-        return {self.pool.worker: {"sessions": len(manager.sessions), "session_room": room, **manager.figures()}}
+        return {} if manager is None else {self.pool.worker: manager.figures(taking=not self._draining)}
 
     def ready(self) -> bool:
         return not self._draining and self.pool.is_open and any(

@@ -61,12 +61,9 @@ def raise_error(answer: Answer) -> None:
         return
     if kind == "invalid":
         raise InvalidRequest(message)
-    if kind == "failed":
-        raise SandboxError(message)
-    try:
-        raise SessionError(message, SessionErrorKind(kind))
-    except ValueError:
-        raise SandboxError(f"the pool answered {kind!r}: {message}") from None
+    if kind == "failed" or kind not in SessionErrorKind._value2member_map_:
+        raise SandboxError(message if kind == "failed" else f"the pool answered {kind!r}: {message}")
+    raise SessionError(message, SessionErrorKind(kind))
 
 
 #: Sends one request to the pool that holds session `id` (None: the pool a new session goes to) and

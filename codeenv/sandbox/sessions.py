@@ -728,12 +728,15 @@ class SessionManager:
 
     # --- views ----------------------------------------------------------------------------------
 
-    def figures(self) -> dict[str, float]:
-        """Counters since start and the families' memory now, for the worker's heartbeat."""
+    def figures(self, taking: bool = True) -> dict[str, float]:
+        """Its sessions and room for more (none unless `taking`: a stopping worker takes none), its
+        counters since start and its families' memory now, for the worker's figures."""
         memory = 0
         with contextlib.suppress(OSError, ValueError):
             memory = self._families.memory_usage() if self._families is not None else 0
-        return {"cells": self.counts["cells"], "sessions_lost": self.counts["sessions_lost"],
+        room = max(0, self.sessions_max - len(self.sessions)) if taking else 0
+        return {"sessions": len(self.sessions), "session_room": room,
+                "cells": self.counts["cells"], "sessions_lost": self.counts["sessions_lost"],
                 "sessions_evicted": self.counts["sessions_evicted"], "session_memory_bytes": memory}
 
     def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:

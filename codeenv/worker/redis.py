@@ -520,10 +520,7 @@ class StreamWorker:
 
     def _session_figures(self) -> dict[str, Any]:
         manager = self.pool.sessions
-        if manager is None:
-            return {"tag": self.tag}
-        room = 0 if self._stopping else max(0, manager.sessions_max - len(manager.sessions))
-        return {"tag": self.tag, "sessions": len(manager.sessions), "session_room": room, **manager.figures()}
+        return {"tag": self.tag, **(manager.figures(taking=not self._stopping) if manager is not None else {})}
 
     # --- liveness and reclaiming ----------------------------------------------------------------
 
