@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -272,25 +272,80 @@ class SessionCell(BaseModel):
                            cell_id=self.cell_id, display_last=True)
 
 
+class SessionFork(BaseModel):
+    """Forks of a session or a snapshot (POST /v1/sessions/{id}/fork, /v1/snapshots/{id}/fork)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"count": 8}]})
+
+    count: Integer | None = Field(None, ge=1, le=1024, description="how many forks, made at once (each its own "
+                                                                   "session); without it, one, answered as a "
+                                                                   "session (with it, as a list)")
+
+
+class SnapshotCreate(BaseModel):
+    """A snapshot of a session (POST /v1/sessions/{id}/snapshot)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"ttl_s": 3600}]})
+
+    ttl_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False,
+                                description="it ends this long after it was taken (default: the server's "
+                                            "CODEENV_SNAPSHOT_TTL_S, 30 minutes; at most a session's lifetime)")
+
+
 class SessionInfo(BaseModel):
-    """A live session."""
+    """A live session, or a snapshot (`kind`)."""
 
     session_id: str = Field(description="unguessable; usable only with the X-Codeenv-Session-Key it was created "
                                         "with (and the token, if one is set)")
     session_key: str | None = Field(None, description="only in the answer to a POST /v1/sessions sent without an "
                                                       "X-Codeenv-Session-Key header: the key made for it, to send "
                                                       "in that header with every request about it")
+    kind: Literal["session", "snapshot"] = "session"
     profile: str
+    worker: str | None = Field(None, description="the worker that holds it")
     age_s: float
     idle_s: float
-    cells: int = Field(description="cells run so far (its execution_count)")
+    cells: int = Field(description="cells run so far (its execution_count; a snapshot's: its source's when taken)")
+    cpu_s: float = Field(0.0, description="CPU time of the cells it ran itself")
+    memory_bytes: int | None = Field(None, description="memory its own cgroup holds: what it keeps beyond the "
+                                                       "pages it still shares with the session it was forked from")
     family_memory_bytes: int | None = Field(None, description="memory of its family (it and its forks)")
-    family_sessions: int = Field(description="sessions in its family (it and its forks)")
+    family_sessions: int = Field(description="sessions and snapshots in its family (it and its forks)")
     idle_ttl_s: float
+    expires_in_s: float | None = Field(None, description="a snapshot's: the time left until it ends")
+
+
+class SnapshotInfo(BaseModel):
+    """A snapshot: a session's state kept as it was, to fork from (after the session ended too)."""
+
+    snapshot_id: str = Field(description="unguessable; usable only with the X-Codeenv-Session-Key of the session "
+                                         "it was taken from")
+    profile: str
+    worker: str | None = None
+    age_s: float
+    cells: int = Field(description="cells its session had run when it was taken")
+    memory_bytes: int | None = Field(None, description="memory its own cgroup holds (its work dir's files, held in "
+                                                       "its memory, and what it no longer shares)")
+    family_memory_bytes: int | None = None
+    expires_in_s: float
+
+    @classmethod
+    def of(cls, info: SessionInfo) -> SnapshotInfo:
+        return cls(snapshot_id=info.session_id, profile=info.profile, worker=info.worker, age_s=info.age_s,
+                   cells=info.cells, memory_bytes=info.memory_bytes, family_memory_bytes=info.family_memory_bytes,
+                   expires_in_s=info.expires_in_s or 0.0)
+
+
+class ForkList(BaseModel):
+    """The forks a request with a `count` made, in one order in both lists."""
+
+    session_ids: list[str]
+    sessions: list[SessionInfo]
 
 
 class SessionList(BaseModel):
     sessions: list[SessionInfo]
+    snapshots: list[SnapshotInfo] = Field(default_factory=list)
 
 
 class ErrorInfo(BaseModel):

@@ -125,6 +125,8 @@ class SandboxSettings(BaseSettings):
                                       "that one's other forks (Linux 6.12 or later; without it forks are refused "
                                       "unless this is false). A fork 16 generations deep is refused")
     session_idle_ttl_s: float = Field(600, gt=0, description="a session idle this long ends (default 10 minutes)")
+    snapshot_ttl_s: float = Field(1800, gt=0, description="a snapshot ends this long after it was taken unless "
+                                  "it asks for another TTL (default 30 minutes; at most session_max_lifetime_s)")
     session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")
     session_memory_mb: int = Field(1024, gt=0, description="memory cap of one session (a fork has its own): its "
                                    "processes and the files they wrote together")

@@ -43,9 +43,10 @@ async def _try_to_reach_the_session(service: Service) -> tuple[str, str]:
                 never = await theirs.get("/v1/sessions/1a.1.AAAAAAAAAAAAAAAAAAAAAAAA")
                 assert never.status_code == 404
                 for c in (theirs, nobody):
-                    assert (await c.get("/v1/sessions")).json() == {"sessions": []}
+                    assert (await c.get("/v1/sessions")).json() == {"sessions": [], "snapshots": []}
                     for method, suffix, body in (("GET", "", None), ("POST", "/execute", {"code": "SECRET"}),
-                                                 ("POST", "/fork", None), ("DELETE", "", None)):
+                                                 ("POST", "/fork", None), ("POST", "/fork", {"count": 2}),
+                                                 ("POST", "/snapshot", None), ("DELETE", "", None)):
                         got = await c.request(method, path + suffix, json=body)
                         assert got.status_code == 404, (method, suffix, got.text)
                         assert "sesame" not in got.text and got.json()["detail"].startswith("no session")

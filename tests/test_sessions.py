@@ -871,7 +871,7 @@ async def test_with_redis_and_no_worker_a_session_cannot_start_and_says_why(redi
         async with gateway(queue=queue, **settings) as client:
             created = await client.post("/v1/sessions", json={})
             assert created.status_code == 503 and "no worker is alive" in created.text, created.text
-            assert (await client.get("/v1/sessions")).json() == {"sessions": []}
+            assert (await client.get("/v1/sessions")).json() == {"sessions": [], "snapshots": []}
             gone = await client.post(f"/v1/sessions/{'a' * 12}.1.1.{'A' * 24}/execute", json={"code": "1"})
             assert gone.status_code == 410 and gone.json()["status"] == "session_lost", gone.text
             assert (await client.post("/v1/sessions/x/execute", json={"code": "1"})).status_code == 404

@@ -29,7 +29,15 @@ from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
 from codeenv.errors import ApiError
-from codeenv.models import ExecRequest, JudgeRequest, Limits, SessionCell, SessionCreate
+from codeenv.models import (
+    ExecRequest,
+    JudgeRequest,
+    Limits,
+    SessionCell,
+    SessionCreate,
+    SessionFork,
+    SnapshotCreate,
+)
 from codeenv.queue.base import CallQueue, declared_profiles
 from codeenv.settings import GatewaySettings
 from codeenv.stopping import drain_on_signals
@@ -148,7 +156,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             # The bodies the Guard parses (their routes name them with body_schema).
             for model in (ExecRequest, Limits, native.BatchRequest, JudgeRequest, judging.JudgeBatchRequest,
-                          SessionCreate, SessionCell, compat.Submission, compat.BatchSubmission,
+                          SessionCreate, SessionCell, SessionFork, SnapshotCreate,
+                          compat.Submission, compat.BatchSubmission,
                           compat.RunCodeRequest, routers.ScriptBatch, nemo.NemoExecute, nemo.NemoError):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))

@@ -149,7 +149,7 @@ def _bounds(components: dict[str, Any], settings: GatewaySettings, profiles: lis
 def _without_sessions(schema: dict[str, Any], components: dict[str, Any]) -> None:
     """A gateway whose queue runs no sessions: its document has no session endpoints (they answer 501),
     and a call cannot name a session."""
-    for path in [p for p in schema.get("paths", {}) if p.startswith("/v1/sessions")]:
+    for path in [p for p in schema.get("paths", {}) if p.startswith(("/v1/sessions", "/v1/snapshots"))]:
         del schema["paths"][path]
     execute = components.get("ExecRequest", {})
     for name in ("session", "cell_id"):

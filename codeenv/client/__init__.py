@@ -12,8 +12,8 @@ Usage::
 """
 
 from codeenv.client._async import AsyncClient
-from codeenv.client._session import AsyncSession, Recorder
-from codeenv.client._sync import Client
+from codeenv.client._session import AsyncSession, AsyncSnapshot, Recorder
+from codeenv.client._sync import Client, Session, Snapshot
 from codeenv.client.errors import (
     ClientClosed,
     ClientError,
@@ -28,6 +28,7 @@ from codeenv.models import ErrorInfo, ExecRequest, ExecResult, JudgeResult, Stat
 __all__ = [
     "AsyncClient",
     "AsyncSession",
+    "AsyncSnapshot",
     "Client",
     "ClientClosed",
     "ClientError",
@@ -38,7 +39,9 @@ __all__ = [
     "Recorder",
     "RequestRejected",
     "ServerError",
+    "Session",
     "SessionLost",
+    "Snapshot",
     "Status",
     "TransportError",
     "format_feedback",

@@ -11,11 +11,18 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import httpx
 
-from codeenv.client._session import Recorder, SessionStarter, session_request
+from codeenv.client._session import (
+    AsyncSnapshot,
+    ForksStarter,
+    Recorder,
+    SessionStarter,
+    session_json,
+    session_request,
+)
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
 from codeenv.models import (
     SESSION_KEY_HEADER,
@@ -25,6 +32,7 @@ from codeenv.models import (
     JudgeResult,
     Limits,
     SessionInfo,
+    SnapshotInfo,
     Status,
 )
 
@@ -206,11 +214,30 @@ class AsyncClient:
             return SessionStarter(self, "/v1/sessions", body, origin=body, history=[])
         return SessionStarter(self, "/v1/sessions", body)
 
+    @overload
+    def from_snapshot(self, snapshot_id: str, count: None = None) -> SessionStarter: ...
+
+    @overload
+    def from_snapshot(self, snapshot_id: str, count: int) -> ForksStarter: ...
+
+    def from_snapshot(self, snapshot_id: str, count: int | None = None) -> SessionStarter | ForksStarter:
+        """A new session from snapshot `snapshot_id` (one of this client's session key's; awaited, or
+        ``async with``); with `count`, that many made at once (a list). No replay: the client does not
+        know the cells the snapshot was made of."""
+        return AsyncSnapshot(self, SnapshotInfo(snapshot_id=snapshot_id, profile="", age_s=0.0, cells=0,
+                                                expires_in_s=0.0)).fork(count)
+
     async def _session_request(self, method: str, path: str, body: dict[str, Any] | None = None) -> SessionInfo | None:
         if self._closed:
             raise ClientClosed("the client is closed")
         self.requests_sent += 1
         return await session_request(self._http, method, path, body, self.timeout_s)
+
+    async def _session_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        self.requests_sent += 1
+        return await session_json(self._http, method, path, body, self.timeout_s)
 
     # --- batching -------------------------------------------------------------------------------
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Generator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import httpx
 
 from codeenv.client.errors import RequestRejected, ServerError, SessionLost, TransportError
-from codeenv.models import SERVICE_FAULTS, ExecRequest, ExecResult, Limits, SessionInfo, Status
+from codeenv.models import SERVICE_FAULTS, ExecRequest, ExecResult, ForkList, Limits, SessionInfo, SnapshotInfo, Status
+
+#: A session's kept cells (code, stdin, limits), for its replay.
+History = list[tuple[str, str, dict[str, Any]]]
 
 
 class Recorder(Protocol):
@@ -25,6 +28,8 @@ class _Client(Protocol):
 
     async def _session_request(self, method: str, path: str,
                                body: dict[str, Any] | None = None) -> SessionInfo | None: ...
+
+    async def _session_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any: ...
 
 
 class AsyncSession:
@@ -45,7 +50,7 @@ class AsyncSession:
     """
 
     def __init__(self, client: _Client, info: SessionInfo, *, origin: dict[str, Any] | None = None,
-                 history: list[tuple[str, str, dict[str, Any]]] | None = None) -> None:
+                 history: History | None = None) -> None:
         self._client = client
         self.info = info
         self.id = info.session_id
@@ -102,14 +107,33 @@ class AsyncSession:
                                   cells=self.cells, result=lost)
         self.replays += 1
 
-    def fork(self) -> SessionStarter:
+    @overload
+    def fork(self, count: None = None) -> SessionStarter: ...
+
+    @overload
+    def fork(self, count: int) -> ForksStarter: ...
+
+    def fork(self, count: int | None = None) -> SessionStarter | ForksStarter:
         """A new session from this one's current state (after its running cell, if any): awaited,
         the fork; used with ``async with s.fork() as f:``, one that is closed at the end of the block
-        (a fork left open lives until its idle TTL). A fork replays as its parent does: its parent's
-        kept cells, then its own."""
+        (a fork left open lives until its idle TTL). With `count`, that many made at once (a list;
+        ``async with s.fork(count=8) as forks:`` closes them all). A fork replays as its parent does:
+        its parent's kept cells, then its own."""
         history = None if self._history is None else list(self._history)
-        return SessionStarter(self._client, f"/v1/sessions/{self.id}/fork", None, origin=self._origin,
-                              history=history)
+        path = f"/v1/sessions/{self.id}/fork"
+        if count is None:
+            return SessionStarter(self._client, path, None, origin=self._origin, history=history)
+        return ForksStarter(self._client, path, count, origin=self._origin, history=history)
+
+    async def snapshot(self, ttl_s: float | None = None) -> AsyncSnapshot:
+        """Keep this session's current state as a snapshot, to fork from (by any of the caller's
+        clients, with `client.from_snapshot(id)`) after this session ended too, until `ttl_s` (default:
+        the server's) has passed or it is deleted."""
+        body = {} if ttl_s is None else {"ttl_s": ttl_s}
+        answer = await self._client._session_json("POST", f"/v1/sessions/{self.id}/snapshot", body)
+        info = SnapshotInfo.model_validate(answer)
+        history = None if self._history is None else list(self._history)
+        return AsyncSnapshot(self._client, info, origin=self._origin, history=history)
 
     async def close(self) -> None:
         """End the session (idempotent; one that ended already is fine)."""
@@ -164,10 +188,100 @@ class SessionStarter:
             await self._session.close()
 
 
+class ForksStarter:
+    """What `session.fork(count=N)` and `snapshot.fork(count=N)` return: awaited, the N started
+    AsyncSessions; used with `async with`, they are closed at the end of the block."""
+
+    def __init__(self, client: _Client, path: str, count: int, *, origin: dict[str, Any] | None = None,
+                 history: History | None = None) -> None:
+        self._client = client
+        self._path = path
+        self._count = count
+        self._origin = origin
+        self._history = history
+        self._forks: list[AsyncSession] = []
+
+    def __await__(self) -> Generator[Any, None, list[AsyncSession]]:
+        return self._start().__await__()
+
+    async def _start(self) -> list[AsyncSession]:
+        made = ForkList.model_validate(await self._client._session_json("POST", self._path, {"count": self._count}))
+        return [AsyncSession(self._client, info, origin=self._origin,
+                             history=None if self._history is None else list(self._history))
+                for info in made.sessions]
+
+    async def __aenter__(self) -> list[AsyncSession]:
+        self._forks = await self._start()
+        return self._forks
+
+    async def __aexit__(self, *exc: object) -> None:
+        for fork in self._forks:
+            await fork.close()
+
+
+class AsyncSnapshot:
+    """A session's state kept as it was on the service (`session.snapshot()`,
+    `client.from_snapshot(id)`): fork it as often as needed until its TTL runs out; `close()` (or the
+    end of an ``async with`` block) deletes it. Its forks live on after it."""
+
+    def __init__(self, client: _Client, info: SnapshotInfo, *, origin: dict[str, Any] | None = None,
+                 history: History | None = None) -> None:
+        self._client = client
+        self.info = info
+        self.id = info.snapshot_id
+        self.closed = False
+        self._origin = origin
+        self._history = history
+
+    @overload
+    def fork(self, count: None = None) -> SessionStarter: ...
+
+    @overload
+    def fork(self, count: int) -> ForksStarter: ...
+
+    def fork(self, count: int | None = None) -> SessionStarter | ForksStarter:
+        """A new session from the snapshot's state (awaited, or ``async with``); with `count`, that many
+        made at once (a list)."""
+        history = None if self._history is None else list(self._history)
+        path = f"/v1/snapshots/{self.id}/fork"
+        if count is None:
+            return SessionStarter(self._client, path, None, origin=self._origin, history=history)
+        return ForksStarter(self._client, path, count, origin=self._origin, history=history)
+
+    async def close(self) -> None:
+        """Delete the snapshot (idempotent; one that ended already is fine)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self._client._session_json("DELETE", f"/v1/snapshots/{self.id}")
+        except SessionLost:
+            pass
+
+    async def __aenter__(self) -> AsyncSnapshot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 async def session_request(http: httpx.AsyncClient, method: str, path: str,
                           body: dict[str, Any] | None = None, timeout_s: float = 60.0) -> SessionInfo | None:
     """One session endpoint: its SessionInfo (None for a delete). SessionLost for a session that
     ended or never existed here; RequestRejected for another 4xx; ServerError for 5xx."""
+    answer = await session_json(http, method, path, body, timeout_s)
+    if answer is None:
+        return None
+    try:
+        return SessionInfo.model_validate(answer)
+    except ValueError as exc:
+        raise ServerError(f"unreadable answer from the service: {exc}", 200) from exc
+
+
+async def session_json(http: httpx.AsyncClient, method: str, path: str,
+                       body: dict[str, Any] | None = None, timeout_s: float = 60.0) -> Any:
+    """One session or snapshot endpoint: its JSON answer (None for a delete); raises as
+    `session_request`."""
     try:
         response = await http.request(method, path, json=body, timeout=timeout_s)
     except httpx.HTTPError as exc:
@@ -182,7 +296,7 @@ async def session_request(http: httpx.AsyncClient, method: str, path: str,
     if code == 204:
         return None
     try:
-        return SessionInfo.model_validate(response.json())
+        return response.json()
     except ValueError as exc:
         raise ServerError(f"unreadable answer from the service: {exc}", code) from exc
 

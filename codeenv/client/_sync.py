@@ -8,7 +8,7 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from codeenv.client._async import AsyncClient, check_base_url
-from codeenv.client._session import AsyncSession, Recorder
+from codeenv.client._session import AsyncSession, AsyncSnapshot, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
 T = TypeVar("T")  # not def _call[T]: the client runs on Python 3.10
@@ -58,6 +58,14 @@ class Client:
         """A live session (AsyncClient.session's options), blocking: ``with client.session() as s:``."""
         return Session(self, self._call(self._client.session(**options)._start()))
 
+    def from_snapshot(self, snapshot_id: str) -> Session:
+        """A new session from one of this client's snapshots (AsyncClient.from_snapshot), blocking."""
+        return Session(self, self._call(self._client.from_snapshot(snapshot_id)._start()))
+
+    def from_snapshot_many(self, snapshot_id: str, count: int) -> list[Session]:
+        """`count` new sessions from one of this client's snapshots, made at once."""
+        return [Session(self, s) for s in self._call(self._client.from_snapshot(snapshot_id, count)._start())]
+
     @property
     def requests_sent(self) -> int:
         return self._client.requests_sent
@@ -104,10 +112,45 @@ class Session:
         """A new session from this one's current state: ``with s.fork() as f:`` closes it after the block."""
         return Session(self._client, self._client._call(self._inner.fork()._start()))
 
+    def forks(self, count: int) -> list[Session]:
+        """`count` new sessions from this one's current state, made at once."""
+        return [Session(self._client, f) for f in self._client._call(self._inner.fork(count)._start())]
+
+    def snapshot(self, ttl_s: float | None = None) -> Snapshot:
+        """AsyncSession.snapshot, blocking: ``with s.snapshot() as snap:`` deletes it after the block."""
+        return Snapshot(self._client, self._client._call(self._inner.snapshot(ttl_s)))
+
     def close(self) -> None:
         self._client._call(self._inner.close())
 
     def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Snapshot:
+    """AsyncSnapshot, blocking."""
+
+    def __init__(self, client: Client, inner: AsyncSnapshot) -> None:
+        self._client = client
+        self._inner = inner
+
+    @property
+    def id(self) -> str:
+        return self._inner.id
+
+    def fork(self) -> Session:
+        return Session(self._client, self._client._call(self._inner.fork()._start()))
+
+    def forks(self, count: int) -> list[Session]:
+        return [Session(self._client, f) for f in self._client._call(self._inner.fork(count)._start())]
+
+    def close(self) -> None:
+        self._client._call(self._inner.close())
+
+    def __enter__(self) -> Snapshot:
         return self
 
     def __exit__(self, *exc: object) -> None:

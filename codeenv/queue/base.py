@@ -68,16 +68,22 @@ class SessionService(Protocol):
         """The live session `session_id` of `owner`."""
         ...
 
-    async def fork(self, session_id: str, owner: bytes) -> SessionInfo:
-        """A new session from this one's state (after its running cell, if any), also `owner`'s."""
+    async def fork(self, session_id: str, owner: bytes, count: int = 1, snapshot: bool = False) -> list[SessionInfo]:
+        """`count` new sessions from this one's state (after its running cell, if any), also `owner`'s;
+        with `snapshot`, `session_id` names a snapshot of `owner`'s."""
         ...
 
-    async def delete(self, session_id: str, owner: bytes) -> None:
-        """End a session: its processes and files are gone when this returns."""
+    async def snapshot(self, session_id: str, owner: bytes, ttl_s: float | None) -> SessionInfo:
+        """A snapshot of the session's state (after its running cell, if any), forkable until its TTL
+        ran out (`ttl_s`, or the server's default), after the session ended too."""
+        ...
+
+    async def delete(self, session_id: str, owner: bytes, snapshot: bool = False) -> None:
+        """End a session (a snapshot, with `snapshot`): its processes and files are gone when this returns."""
         ...
 
     async def describe(self, owner: bytes) -> list[SessionInfo]:
-        """The live sessions of `owner`, and no one else's."""
+        """The live sessions and snapshots of `owner`, and no one else's."""
         ...
 
 

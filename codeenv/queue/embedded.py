@@ -23,7 +23,7 @@ from codeenv.errors import InvalidRequest, PoolClosed, SessionError, SessionErro
 from codeenv.models import ExecRequest, ExecResult, Limits, Refusal, SessionInfo, Status
 from codeenv.queue.base import OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.sandbox.pool import SlotPool
-from codeenv.sandbox.sessions import SessionManager
+from codeenv.sandbox.sessions import SESSION, SNAPSHOT, SessionManager
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -46,17 +46,25 @@ class PoolSessions:
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
                      owner: bytes, session_id: str | None = None) -> SessionInfo:
-        session = await self._manager().create(profile, limits, idle_ttl_s, owner, session_id)
-        return SessionInfo(**session.describe())
+        manager = self._manager()
+        session = await manager.create(profile, limits, idle_ttl_s, owner, session_id)
+        return SessionInfo(**session.describe(manager.worker))
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:
-        return SessionInfo(**self._manager().lookup(session_id, owner).describe())
+        manager = self._manager()
+        return SessionInfo(**manager.lookup(session_id, owner).describe(manager.worker))
 
-    async def fork(self, session_id: str, owner: bytes) -> SessionInfo:
-        return SessionInfo(**(await self._manager().fork(session_id, owner)).describe())
+    async def fork(self, session_id: str, owner: bytes, count: int = 1, snapshot: bool = False) -> list[SessionInfo]:
+        manager = self._manager()
+        forks = await manager.forks(session_id, owner, count, SNAPSHOT if snapshot else SESSION)
+        return [SessionInfo(**fork.describe(manager.worker)) for fork in forks]
 
-    async def delete(self, session_id: str, owner: bytes) -> None:
-        await self._manager().delete(session_id, owner)
+    async def snapshot(self, session_id: str, owner: bytes, ttl_s: float | None) -> SessionInfo:
+        manager = self._manager()
+        return SessionInfo(**(await manager.snapshot(session_id, owner, ttl_s)).describe(manager.worker))
+
+    async def delete(self, session_id: str, owner: bytes, snapshot: bool = False) -> None:
+        await self._manager().delete(session_id, owner, SNAPSHOT if snapshot else SESSION)
 
     async def describe(self, owner: bytes) -> list[SessionInfo]:
         return [SessionInfo(**d) for d in self._manager().describe(owner)]

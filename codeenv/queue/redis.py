@@ -11,7 +11,7 @@ workers share: `codeenv.queue.redis_protocol`. Everything a call leaves behind e
 job's marker after ``DONE_TTL_S``, results of calls with an id after ``results_ttl_s``, a gateway's
 reply list when it stops reading it, so Redis memory returns to its baseline after a burst.
 
-Sessions: a new one goes to the live worker with the most room for sessions; every later request
+Sessions: a new one goes to the live worker with the largest share of its budget free; every later request
 about it (its cells too) goes to that worker's inbox, whichever gateway receives it. A session id
 is the worker's tag, a dot, and the id the worker made. While a gateway waits on a worker for a
 session, it watches the worker's heartbeat: a worker that died (or stopped) answers its sessions
@@ -377,7 +377,7 @@ class RedisQueue:
             raise SandboxError(str(exc)) from exc
 
     async def _create(self, message: dict[str, Any]) -> remote_sessions.Answer:
-        """A new session, on the live worker with the most room for sessions (then free slots); a
+        """A new session, on the live worker with the largest share of its sessions budget free (then free slots); a
         worker that answers full (it filled up, or began to stop, since its last heartbeat) passes
         it to the next, and once every worker this gateway knew of did, to those it learns of now."""
         if not self._tags:
@@ -398,8 +398,8 @@ class RedisQueue:
         for fresh in (False, True):
             if fresh:
                 await self._refresh_snapshot()
-            ranked = sorted(self._tags.items(), key=lambda t: (t[1][1].get("session_room", 0),
-                                                               t[1][1].get("free", 0), random.random()), reverse=True)
+            ranked = sorted(self._tags.items(), key=lambda t: (_room_share(t[1][1]), t[1][1].get("free", 0),
+                                                               random.random()), reverse=True)
             candidates = [tag for tag, (_, stats) in ranked if stats.get("session_room", 0) > 0 and tag not in tried]
             if not ranked:
                 raise SandboxError("no worker is alive to hold the session; retry later")
@@ -731,3 +731,11 @@ def _never_sent(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _room_share(stats: dict[str, Any]) -> float:
+    """The share of a worker's sessions budget still free: new sessions go where it is largest, so that
+    they spread evenly over workers whose budgets differ a little (each is held to what its host allows
+    when it starts), and in proportion over hosts of different sizes."""
+    room, held = float(stats.get("session_room", 0)), float(stats.get("sessions", 0))
+    return room / max(1.0, room + held)

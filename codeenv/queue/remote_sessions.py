@@ -3,9 +3,10 @@
 created it; every request about it goes there, whichever gateway process received it.
 
 One message shape for both transports. A request is a JSON object with ``op`` (``create``,
-``lookup``, ``fork``, ``delete``, ``describe``), ``owner`` (the hash of the caller's session key,
-hex) and the op's own fields (``id``; ``profile``, ``limits``, ``idle_ttl_s``, ``session_id``: one
-the caller chose). The answer is
+``lookup``, ``fork``, ``snapshot``, ``delete``, ``describe``), ``owner`` (the hash of the caller's
+session key, hex) and the op's own fields (``id``; ``profile``, ``limits``, ``idle_ttl_s``,
+``session_id``: one the caller chose; ``count``; ``snapshot``: ``id`` names a snapshot; ``ttl_s``).
+The answer is
 ``{"ok": ...}`` (a session's description, a list of them, or null) or ``{"error": KIND, "message":
 ...}``, KIND a SessionErrorKind value, ``invalid`` (422) or ``failed`` (the host refused a family's
 set-up: 503). A session's cells are calls (ExecRequest.session): each transport carries them as it
@@ -41,9 +42,18 @@ async def serve(sessions: SessionService, message: dict[str, Any]) -> Answer:
         if op == "lookup":
             return {"ok": (await sessions.lookup(session_id, owner)).model_dump(exclude_none=True)}
         if op == "fork":
-            return {"ok": (await sessions.fork(session_id, owner)).model_dump(exclude_none=True)}
+            count = message.get("count", 1)
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise TypeError("count: an integer")
+            forks = await sessions.fork(session_id, owner, count, message.get("snapshot") is True)
+            return {"ok": [i.model_dump(exclude_none=True) for i in forks]}
+        if op == "snapshot":
+            ttl_s = message.get("ttl_s")
+            if ttl_s is not None and (not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool)):
+                raise TypeError("ttl_s: a number")
+            return {"ok": (await sessions.snapshot(session_id, owner, ttl_s)).model_dump(exclude_none=True)}
         if op == "delete":
-            await sessions.delete(session_id, owner)
+            await sessions.delete(session_id, owner, message.get("snapshot") is True)
             return {"ok": None}
         return {"error": "invalid", "message": f"no session operation {op!r}"}
     except SessionError as exc:
@@ -95,11 +105,19 @@ class RemoteSessions:
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:
         return await self._info({"op": "lookup", "owner": owner.hex(), "id": session_id}, session_id)
 
-    async def fork(self, session_id: str, owner: bytes) -> SessionInfo:
-        return await self._info({"op": "fork", "owner": owner.hex(), "id": session_id}, session_id)
+    async def fork(self, session_id: str, owner: bytes, count: int = 1, snapshot: bool = False) -> list[SessionInfo]:
+        answer = await self._ask({"op": "fork", "owner": owner.hex(), "id": session_id, "count": count,
+                                  "snapshot": snapshot}, session_id)
+        raise_error(answer)
+        return [SessionInfo.model_validate(i) for i in answer["ok"]]
 
-    async def delete(self, session_id: str, owner: bytes) -> None:
-        raise_error(await self._ask({"op": "delete", "owner": owner.hex(), "id": session_id}, session_id))
+    async def snapshot(self, session_id: str, owner: bytes, ttl_s: float | None) -> SessionInfo:
+        return await self._info({"op": "snapshot", "owner": owner.hex(), "id": session_id, "ttl_s": ttl_s},
+                                session_id)
+
+    async def delete(self, session_id: str, owner: bytes, snapshot: bool = False) -> None:
+        raise_error(await self._ask({"op": "delete", "owner": owner.hex(), "id": session_id, "snapshot": snapshot},
+                                    session_id))
 
     async def describe(self, owner: bytes) -> list[SessionInfo]:
         infos: list[SessionInfo] = []

@@ -81,6 +81,8 @@ SESSION_PIDS = 2
 #: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
 #: main (its supervisor) and sN (session N's process and its cells').
 FAMILIES_GROUP = "families"
+#: What a Session is: a live session, or a snapshot (a fork that runs no cell, only forks).
+SESSION, SNAPSHOT = "session", "snapshot"
 #: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
 #: cells take besides their families' idle share.
 CELLS_PER_SLOT = 4
@@ -154,12 +156,15 @@ class SessionManager:
         counter = next(self._counter)
         return f"{self.epoch:x}.{counter:x}.{self._mac(self.epoch, counter, owner)}"
 
-    def lookup(self, session_id: str, owner: bytes = b"") -> Session:
-        """The live session `session_id` of `owner` (the hash of its creator's key); SessionError
-        not_found if it never existed or is another owner's (the same answer), ended if it ended. The id's MAC
-        covers the owner, so that even an ended session's id tells another owner nothing."""
+    def lookup(self, session_id: str, owner: bytes = b"", kind: str = SESSION) -> Session:
+        """The live session (or, with `kind` SNAPSHOT, snapshot) `session_id` of `owner` (the hash of its
+        creator's key); SessionError not_found if it never existed, is another owner's (the same answer)
+        or of the other kind, ended if it ended. The id's MAC covers the owner, so that even an ended
+        session's id tells another owner nothing."""
         session = self.sessions.get(session_id)
         if session is not None and hmac.compare_digest(session.owner, owner):
+            if session.kind != kind:
+                raise session_not_found(session_id)
             return session
         named = self._aliases.get((owner, session_id))
         if named:
@@ -283,14 +288,17 @@ class SessionManager:
             self._ended.pop(_alias_key(owner, session.public_id), None)
         return session
 
-    def _admit(self, owner: bytes) -> None:
-        """SessionError (full) when the worker, or this client (`owner`), holds as many sessions as it may."""
-        if len(self.sessions) >= self.sessions_max:
-            raise SessionError(f"this worker holds {len(self.sessions)} sessions, its most (CODEENV_SESSIONS_MAX, "
-                               "held to what the host allows); end some, or retry later", SessionErrorKind.full)
+    def _admit(self, owner: bytes, count: int = 1) -> None:
+        """SessionError (full) when the worker, or this client (`owner`), has no room for `count` more
+        sessions (snapshots count: each holds a process, a cgroup and its memory)."""
+        if len(self.sessions) + count > self.sessions_max:
+            more = "" if count == 1 else f" and has no room for {count} more"
+            raise SessionError(f"this worker holds {len(self.sessions)} sessions and snapshots{more}, its most "
+                               "(CODEENV_SESSIONS_MAX, held to what the host allows); end some, or retry later",
+                               SessionErrorKind.full)
         if self.client_max < self.sessions_max:
             mine = sum(1 for session in self.sessions.values() if session.owner == owner)
-            if mine >= self.client_max:
+            if mine + count > self.client_max:
                 raise SessionError(f"you hold {mine} sessions on this worker, the most one client may "
                                    "(CODEENV_SESSION_CLIENT_MAX); end some, or retry later", SessionErrorKind.full)
 
@@ -449,8 +457,8 @@ class SessionManager:
             if not fut.done():
                 fut.cancel()
 
-    async def delete(self, session_id: str, owner: bytes = b"") -> None:
-        session = self.lookup(session_id, owner)
+    async def delete(self, session_id: str, owner: bytes = b"", kind: str = SESSION) -> None:
+        session = self.lookup(session_id, owner, kind)
         await self._close(session, "it was deleted")
 
     async def _close(self, session: Session, why: str) -> None:
@@ -478,55 +486,121 @@ class SessionManager:
     async def fork(self, session_id: str, owner: bytes = b"") -> Session:
         """A new session in the same family (and of the same owner), from this one's state (after its
         running cell, if any)."""
+        [child] = await self.forks(session_id, owner)
+        return child
+
+    async def forks(self, session_id: str, owner: bytes = b"", count: int = 1, kind: str = SESSION) -> list[Session]:
+        """`count` new sessions in the same family (and of the same owner), each from the state of session
+        `session_id` (after its running cell, if any), or of snapshot `session_id` with `kind` SNAPSHOT."""
+        return await self._branch(self.lookup(session_id, owner, kind), count)
+
+    async def snapshot(self, session_id: str, owner: bytes = b"", ttl_s: float | None = None) -> Session:
+        """A snapshot of session `session_id` (after its running cell, if any): a fork that runs no cell and
+        holds its work dir in its memory, forkable until `ttl_s` (default: the setting) has passed, after
+        the session ended too."""
+        ttl = min(ttl_s or self.settings.snapshot_ttl_s, self.settings.session_max_lifetime_s)
+        [snapshot] = await self._branch(self.lookup(session_id, owner), 1, ttl)
+        return snapshot
+
+    async def _branch(self, source: Session, count: int, snapshot_ttl_s: float | None = None) -> list[Session]:
+        """`count` forks of `source` (a session or a snapshot) made at once; a snapshot when `snapshot_ttl_s`
+        is set. All or none: a fork that cannot be made ends those made with it."""
         s = self.settings
-        session = self.lookup(session_id, owner)
-        family = session.family
-        if len(family.sessions) >= s.session_forks_max:
-            raise SessionError(f"this session's family holds {len(family.sessions)} sessions, the most one may "
-                               "(CODEENV_SESSION_FORKS_MAX); delete some first", SessionErrorKind.conflict)
-        self._admit(session.owner)
-        session.busy += 1
+        family = source.family
+        if count < 1:
+            raise InvalidRequest("count: at least 1")
+        if len(family.sessions) + count > s.session_forks_max:
+            raise SessionError(f"this session's family holds {len(family.sessions)} sessions and snapshots: "
+                               f"{count} more would pass the most one may hold ({s.session_forks_max}, "
+                               "CODEENV_SESSION_FORKS_MAX); delete some first", SessionErrorKind.conflict)
+        self._admit(source.owner, count)
+        source.busy += 1
         try:
             async with family.lock:
                 if family.ended is not None:
-                    raise session_lost(session_id, family.ended)
-                index = family.next_index
-                family.next_index += 1
-                family.groups[index] = group = await asyncio.to_thread(
-                    self._session_group, family.cgroup, index, family.memory_cap)
+                    raise session_lost(source.public_id, family.ended)
+                indexes = list(range(family.next_index, family.next_index + count))
+                family.next_index += count
+                groups = await asyncio.to_thread(self._session_groups, family.cgroup, indexes, family.memory_cap)
+                family.groups.update(zip(indexes, groups, strict=True))
+                warm = asyncio.ensure_future(asyncio.to_thread(_warm_moves, family.groups[source.index]))
                 try:
-                    parent = family.groups[session.index]  # the fork's process is born there
-                    with contextlib.suppress(OSError, ValueError):
-                        parent.set_pids_max(parent.pids_current() + 1)
-                    forked, refused = await self._ask(family, family.channel.fork(
-                        session.index, index, s.session_forks_apart, s.control_timeout_s + s.cleanup_timeout_s))
-                    if refused is not None:
-                        raise SessionError(f"the session cannot be forked: its fork would be {refused}; "
-                                           "CODEENV_SESSION_FORKS_APART=false makes forks that share their family's "
-                                           "domain", SessionErrorKind.conflict)
-                    if forked is None:
-                        raise SessionError("the session could not be forked (its process is gone)",
-                                           SessionErrorKind.ended)
+                    pids = await self._fork_processes(source, indexes, snapshot_ttl_s is not None)
                 except BaseException:
-                    await self._drop_group(family, index)
+                    for index in indexes:
+                        await self._drop_group(family, index)
                     raise
-                try:  # the fork's process was born in its parent's group
-                    family.move([self._found(family.groups[session.index], forked)], group)
-                except SandboxError as exc:  # without its own caps it must not run
+                finally:
+                    await warm
+                try:  # the forks' processes were born in their parent's group
+                    await asyncio.to_thread(self._move_forks, family, source.index, pids, groups)
+                except SandboxError as exc:  # without its own caps none may run
                     why = f"its fork could not be kept in its cgroup: {exc}"
                     logger.error("session family %d: %s", family.fid, why)
                     await self._end_family(family, why)
                     raise SessionError(f"the session has ended: {why}", SessionErrorKind.ended) from None
                 finally:
                     family.close_files()
-                child = Session(self._new_id(session.owner), index, family, session.owner, session.profile,
-                                session.idle_ttl_s, session.limits, cells=session.cells)
-                family.sessions[index] = child
-                self.sessions[child.id] = child
-                return child
+                children = []
+                for index in indexes:
+                    child = Session(self._new_id(source.owner), index, family, source.owner, source.profile,
+                                    source.idle_ttl_s, source.limits, cells=source.cells)
+                    if snapshot_ttl_s is not None:  # what its forks take: its source's idle TTL and limits
+                        child.kind, child.expires = SNAPSHOT, time.monotonic() + snapshot_ttl_s
+                    family.sessions[index] = child
+                    self.sessions[child.id] = child
+                    children.append(child)
+                return children
         finally:
-            session.busy -= 1
-            session.last_used = time.monotonic()
+            source.busy -= 1
+            source.last_used = time.monotonic()
+
+    async def _fork_processes(self, source: Session, indexes: list[int], snapshot: bool) -> list[int]:
+        """The supervisor forks `source`'s process once per index (their groups are made): the forks'
+        pids in the family's namespace. A fork refused or not made ends the others made with it."""
+        s, family = self.settings, source.family
+        parent = family.groups[source.index]  # the forks' processes are born there
+        with contextlib.suppress(OSError, ValueError):
+            parent.set_pids_max(parent.pids_current() + len(indexes))
+        timeout = s.control_timeout_s + s.cleanup_timeout_s + 2.0 * len(indexes)
+        pids, refused = await self._ask(family, family.channel.fork(
+            source.index, indexes, s.session_forks_apart, snapshot, timeout))
+        made = [p for p in pids if p is not None]
+        if len(made) == len(indexes):
+            return made
+        for index, pid in zip(indexes, pids, strict=True):
+            if pid is not None:
+                with contextlib.suppress(SessionError):
+                    await self._ask(family, family.channel.close(index, s.control_timeout_s + s.cleanup_timeout_s))
+        if refused is not None:
+            hint = ("; CODEENV_SESSION_FORKS_APART=false makes forks that share their family's domain"
+                    if "Landlock" in refused else "")
+            raise SessionError(f"the session cannot be forked: its fork would be {refused}{hint}",
+                               SessionErrorKind.conflict)
+        raise SessionError("the session could not be forked (its process is gone)" if not made else
+                           f"the session could not be forked: {len(indexes) - len(made)} of its {len(indexes)} "
+                           "forks were not made (none was kept)", SessionErrorKind.ended if not made
+                           else SessionErrorKind.full)
+
+    def _session_groups(self, family_group: JailCgroup, indexes: list[int], memory_cap: int) -> list[JailCgroup]:
+        groups: list[JailCgroup] = []
+        try:
+            for index in indexes:
+                groups.append(self._session_group(family_group, index, memory_cap))
+        except BaseException:
+            for group in groups:
+                group.remove()
+            raise
+        return groups
+
+    def _move_forks(self, family: Family, parent: int, ns_pids: list[int], groups: list[JailCgroup]) -> None:
+        procs = family.groups[parent].procs()
+        for ns_pid, group in zip(ns_pids, groups, strict=True):
+            pid = host_pid(procs, ns_pid)
+            if pid is None:
+                raise SandboxError(f"the session process {ns_pid} of the family is not in its group "
+                                   f"{family.groups[parent].name}")
+            family.move([pid], group)
 
     async def _make_room(self, owner: bytes) -> None:
         """Evict least recently used idle families of `owner` (the client that needs room, never
@@ -552,7 +626,11 @@ class SessionManager:
             for session in list(self.sessions.values()):
                 if session.busy:
                     continue
-                if now - session.last_used > session.idle_ttl_s:
+                if session.expires is not None:
+                    if now < session.expires:
+                        continue
+                    why = "its TTL ran out"
+                elif now - session.last_used > session.idle_ttl_s:
                     why = f"it was idle for more than {session.idle_ttl_s:g}s"
                 elif now - session.created > self.settings.session_max_lifetime_s:
                     why = f"it reached the maximum lifetime of {self.settings.session_max_lifetime_s:g}s"
@@ -622,6 +700,7 @@ class SessionManager:
             session.busy -= 1
             session.last_used = time.monotonic()
         self.counts["cells"] += 1
+        session.cpu_s += result.cpu_s
         result.session = session.public_id
         result.execution_count = session.cells
         result = self._finish(request, result, profile)
@@ -741,7 +820,18 @@ class SessionManager:
 
     def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
         """The live sessions of `owner`, and no one else's."""
-        return [s.describe() for s in self.sessions.values() if hmac.compare_digest(s.owner, owner)]
+        return [s.describe(self.worker) for s in self.sessions.values() if hmac.compare_digest(s.owner, owner)]
+
+
+def _warm_moves(group: JailCgroup) -> None:
+    """Move `group`'s first process into `group` (where it is: nothing changes), while its forks are
+    made. Moving a process between cgroups first waits out an RCU grace period when none moved for a
+    while (the kernel's threadgroup lock, on cgroup v1 and on v2 without favordynmods): about 15 ms
+    here, which this spends while the supervisor forks (forks do not wait for it), so that the forks'
+    own moves after it find the lock warm. It holds the cgroup mutex while it waits: groups are made
+    before it."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        group.procs_files()[0].write_text(str(group.procs()[0]))
 
 
 def _exited(pidfd: int) -> bool:

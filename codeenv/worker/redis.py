@@ -500,7 +500,7 @@ class StreamWorker:
                 delay = min(2.0, delay * 2)
 
     async def _serve(self, message: dict[str, Any]) -> remote_sessions.Answer:
-        if message.get("op") in ("create", "fork") and self._stopping:
+        if message.get("op") in ("create", "fork", "snapshot") and self._stopping:
             return {"error": "full", "message": "this worker is stopping: it takes no new session (a new one goes "
                                                 "to another worker; a fork of one of its sessions cannot)"}
         if message.get("op") != "cell":

@@ -57,8 +57,11 @@ Family socket (worker <-> a family's supervisor; `Family`)::
     sup -> worker  {"op": "cell_done", "seq", "kept", "wait_status", "exit_code", "timed_out",
                     "killed", "wall_s", "lost", "written", "unrestored"}
     worker -> sup  {"op": "kill", "seq"}                         stop the running cell (rolled back)
-    worker -> sup  {"op": "fork", "sid", "new_sid", "apart"}  ->  {"op": "forked", "new_sid", "ok", "pid",
-                                                                     "refused"}
+    worker -> sup  {"op": "fork", "sid", "new_sids", "apart", "snapshot"}  ->  {"op": "forked", "pids",
+                                                                 "refused"}  N forks of one session at
+                                                                 once ("pids": each one's, null if it was
+                                                                 not made; "snapshot": the one fork holds
+                                                                 its work dir in its memory)
     worker -> sup  {"op": "close", "sid"}  ->  {"op": "closed", "sid"}
     worker -> sup  {"op": "ping"}  ->  {"op": "pong"}
 
@@ -67,8 +70,11 @@ Session channel (supervisor <-> a session's process; `Session`)::
     sup -> session  {"op": "cell", ...} + 7 fds (`CellFd`: a call's 6, and the cell channel)
     session -> sup  {"op": "reaped", "wait_status", "unrestored"}  its rolled-back cell's process is gone
                                                                  (and what the rollback could not restore)
-    sup -> session  {"op": "fork", "sid", "new_sid", "apart"} + 1 fd  the new session's channel ("apart":
-                                                                 it enters a Landlock domain of its own)
+    sup -> session  {"op": "fork", "sid", "new_sid", "apart", "snapshot"} + 1 fd  the new session's
+                                                                 channel ("apart": it enters a Landlock
+                                                                 domain of its own; "snapshot": it reads
+                                                                 the dir into its memory, where its own
+                                                                 forks' dirs come from)
     sup -> session  {"op": "reap"}                               a fork of its was closed: reap it
     session -> sup  {"op": "hello", "copied"}                    (on a new channel) a session started
     session -> sup  {"op": "hello", "refused"}                   (on a new channel) a fork that could not

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 #: Time a pre-cell process has to report its cell's end after it is resumed.
 SESSION_REPLY_S = 2.0
+#: Most forks one request makes (a family holds at most CODEENV_SESSION_FORKS_MAX sessions anyway).
+FORKS_AT_ONCE = 1024
 #: Time the kernel has to show a stopped session's threads stopped.
 STOP_WAIT_S = 1.0
 
@@ -163,6 +165,9 @@ class SessionProcess:
         self.top = top
         #: Std streams a cell replaced, never freed here (see `fresh_stdio`).
         self.retired: list[tuple[object, ...]] = []
+        #: A snapshot's work dir, held in its memory: no process of the family can change what its
+        #: forks start from (the family's dirs are one tmpfs, under one uid).
+        self.held: workdir.Held | None = None
 
     def enter(self, sid: int) -> None:
         """Its own dir, HOME and TMPDIR."""
@@ -248,12 +253,24 @@ class SessionProcess:
                 proc.send(self.ch, {"op": Session.HELLO, "refused": why})
                 proc.hard_exit(SETUP_FAILED)
         ok = True
+        source, target = session_dir(self.top, msg["sid"]), session_dir(self.top, msg["new_sid"])
+        held, self.held = self.held, None  # a snapshot's fork is a session: it holds no dir
         try:
-            workdir.copy_tree(session_dir(self.top, msg["sid"]), session_dir(self.top, msg["new_sid"]))
+            if msg.get("snapshot"):
+                self.held = workdir.read_tree(source)
+                os.mkdir(target, 0o700)
+            elif held is not None:
+                workdir.write_tree(held, target)
+            else:
+                workdir.copy_tree(source, target)
         except BaseException:
             ok = False  # e.g. the family's work dir is full: the fork has a fresh dir instead
+            if msg.get("snapshot"):
+                why = "without its work dir (it could not be read into memory)"
+                proc.send(self.ch, {"op": Session.HELLO, "refused": why})
+                proc.hard_exit(SETUP_FAILED)
             try:
-                os.mkdir(session_dir(self.top, msg["new_sid"]), 0o700)
+                os.mkdir(target, 0o700)
             except OSError:
                 pass
         self.enter(msg["new_sid"])
@@ -371,6 +388,13 @@ class Supervisor:
     def new_session(self, sid: int, make: Callable[[socket.socket, socket.socket], bool]) -> int | None:
         """A session process: `make(theirs, ours)` starts it in a child (forked here or by a session), which
         says hello on `theirs`; returns its pid, or None."""
+        ours = self.start_session(make)
+        return None if ours is None else self.greet(sid, ours, time.monotonic() + SESSION_REPLY_S * 5)
+
+    @staticmethod
+    def start_session(make: Callable[[socket.socket, socket.socket], bool]) -> socket.socket | None:
+        """The supervisor's end of a new session's channel, once `make(theirs, ours)` started it; None if it
+        could not."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         ok = make(theirs, ours)
@@ -378,7 +402,11 @@ class Supervisor:
         if not ok:
             ours.close()
             return None
-        ready, _, _ = select.select([ours], [], [], SESSION_REPLY_S * 5)
+        return ours
+
+    def greet(self, sid: int, ours: socket.socket, deadline: float) -> int | None:
+        """The pid of the session that says hello on `ours` by `deadline` (then it is session `sid`), or None."""
+        ready, _, _ = select.select([ours], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             ours.close()
             return None
@@ -389,7 +417,7 @@ class Supervisor:
         hello = decode(data) if data else None
         refused = hello.get("refused") if hello is not None else None
         if hello is None or pid is None or refused is not None:
-            self.refused = str(refused)[:300] if refused else None
+            self.refused = str(refused)[:300] if refused else self.refused
             ours.close()
             return None
         self.sessions[sid] = (pid, ours)
@@ -558,32 +586,40 @@ class Supervisor:
         reply["written"] = workdir.changed(files_before, workdir.listing(session_dir(self.top, sid)))
 
     def fork(self, msg: dict[str, Any]) -> dict[str, Any]:
-        sid, new_sid = msg.get("sid"), msg.get("new_sid")
-        if not isinstance(sid, int) or not isinstance(new_sid, int) or sid not in self.sessions \
-                or new_sid in self.sessions:
-            return {"op": Family.FORKED, "new_sid": new_sid, "ok": False}
+        """Fork session `sid` once per new sid, all at once: it reads each fork's channel and forks in
+        turn while the forks already made set themselves up."""
+        sid, new_sids = msg.get("sid"), msg.get("new_sids")
+        if not isinstance(sid, int) or sid not in self.sessions or not isinstance(new_sids, list) \
+                or not new_sids or len(new_sids) > FORKS_AT_ONCE \
+                or not all(isinstance(n, int) and n not in self.sessions for n in new_sids) \
+                or len(set(new_sids)) != len(new_sids):
+            return {"op": Family.FORKED, "pids": None}
         pid, ch = self.sessions[sid]
-        thaw(pid)  # it forks the new session; both are stopped again after
+        thaw(pid)  # it forks the new sessions; all are stopped again after
         self.refused = None
-        fork = {"op": Session.FORK, "sid": sid, "new_sid": new_sid, "apart": msg.get("apart") is True}
+        started: list[tuple[int, socket.socket | None]] = []
+        for new_sid in new_sids:  # it forks them one after the other while the first ones set up
+            fork = {"op": Session.FORK, "sid": sid, "new_sid": new_sid, "apart": msg.get("apart") is True,
+                    "snapshot": msg.get("snapshot") is True}
 
-        def make(theirs: socket.socket, _: socket.socket) -> bool:
-            try:
-                socket.send_fds(ch, [encode(fork)], [theirs.fileno()])
-                return True
-            except OSError:
-                return False
+            def make(theirs: socket.socket, _: socket.socket, fork: dict[str, Any] = fork) -> bool:
+                try:
+                    socket.send_fds(ch, [encode(fork)], [theirs.fileno()])
+                    return True
+                except OSError:
+                    return False
 
-        new_pid = self.new_session(new_sid, make)
-        ok = new_pid is not None
-        if not ok:
+            started.append((new_sid, self.start_session(make)))
+        deadline = time.monotonic() + SESSION_REPLY_S * (5 + len(new_sids))
+        pids = [None if ours is None else self.greet(new_sid, ours, deadline) for new_sid, ours in started]
+        if None in pids:
             proc.reap_children()
             try:  # a fork that refused itself has exited: its parent reaps it
                 ch.send(encode({"op": Session.REAP}))
             except OSError:
                 pass
         self.freeze_all()
-        return {"op": Family.FORKED, "new_sid": new_sid, "ok": ok, "refused": self.refused, "pid": new_pid}
+        return {"op": Family.FORKED, "pids": pids, "refused": self.refused}
 
     def end(self, sid: object) -> None:
         pid, ch = self.sessions.pop(sid, (None, None)) if isinstance(sid, int) else (None, None)

@@ -223,6 +223,51 @@ def copy_tree(src: str, dst: str) -> None:
             # FIFOs, sockets and devices are not copied
 
 
+#: A dir's contents held in memory (a snapshot's): (relative path, kind, mode, data or link target).
+Held = list[tuple[str, str, int, bytes]]
+
+
+def read_tree(src: str, prefix: str = "") -> Held:
+    """A session's dir as `write_tree` writes it back: files, dirs and links as they are (no link
+    followed; FIFOs, sockets and devices left out), read into this process's memory."""
+    held: Held = []
+    with os.scandir(src) as entries:
+        for entry in entries:
+            name = prefix + entry.name
+            mode = entry.stat(follow_symlinks=False).st_mode & 0o777
+            if entry.is_symlink():
+                held.append((name, "link", 0, os.fsencode(os.readlink(entry.path))))
+            elif entry.is_dir(follow_symlinks=False):
+                held.append((name, "dir", 0o700, b""))
+                held += read_tree(entry.path, name + "/")
+            elif entry.is_file(follow_symlinks=False):
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    held.append((name, "file", mode, read_all(fd)))
+                finally:
+                    os.close(fd)
+    return held
+
+
+def write_tree(held: Held, dst: str) -> None:
+    """Make `dst` with what `read_tree` held (a fork of a snapshot)."""
+    os.mkdir(dst, 0o700)
+    for name, kind, mode, data in held:
+        target = os.path.join(dst, name)
+        if kind == "link":
+            os.symlink(os.fsdecode(data), target)
+        elif kind == "dir":
+            os.mkdir(target, 0o700)
+        else:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+
+
 class Workdir:
     """The jail's work dir and its state at start: a call leaves it as it found it, or it is wiped."""
 

@@ -155,13 +155,17 @@ class FamilyChannel:
         got = await self.ask({"op": Family.GO}, Family.READY, timeout)
         return _pid(got)
 
-    async def fork(self, sid: int, new_sid: int, apart: bool, timeout: float) -> tuple[int | None, str | None]:
-        """(the fork's pid in the family's pid namespace, None if it was not made; why not: the fork's
-        own word, if it said)."""
-        got = await self.ask({"op": Family.FORK, "sid": sid, "new_sid": new_sid, "apart": apart}, Family.FORKED,
-                             timeout)
+    async def fork(self, sid: int, new_sids: list[int], apart: bool, snapshot: bool,
+                   timeout: float) -> tuple[list[int | None], str | None]:
+        """Fork session `sid` once per sid of `new_sids`: each fork's pid in the family's pid namespace
+        (None for one that was not made), and why not (a fork's own word, if one said)."""
+        got = await self.ask({"op": Family.FORK, "sid": sid, "new_sids": new_sids, "apart": apart,
+                              "snapshot": snapshot}, Family.FORKED, timeout)
         refused = got.get("refused")
-        return _pid(got) if got.get("ok") is True else None, str(refused) if refused else None
+        pids = got.get("pids")
+        if not isinstance(pids, list) or len(pids) != len(new_sids):
+            return [None] * len(new_sids), str(refused) if refused else None
+        return [_pid({"pid": p}) if p is not None else None for p in pids], str(refused) if refused else None
 
     async def close(self, sid: int, timeout: float) -> None:
         await self.ask({"op": Family.CLOSE, "sid": sid}, Family.CLOSED, timeout)

@@ -88,6 +88,9 @@ class Session:
     cells: int = 0
     busy: int = 0  # cells running or waiting
     alias: str | None = None  # the id its creator chose, if it chose one (what the session answers to)
+    kind: str = "session"  # or "snapshot": a fork that runs no cell, only forks
+    expires: float | None = None  # a snapshot's end (monotonic)
+    cpu_s: float = 0.0  # its cells' CPU time
     cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
         default_factory=collections.OrderedDict)
 
@@ -96,15 +99,21 @@ class Session:
         """The id its owner knows it by: the one it chose, else the one the service made."""
         return self.alias if self.alias is not None else self.id
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, worker: str = "") -> dict[str, Any]:
         now = time.monotonic()
-        memory = None
+        family_memory = memory = None
         with contextlib.suppress(OSError, ValueError):
-            memory = self.family.cgroup.memory_usage()
-        return {"session_id": self.public_id, "profile": self.profile, "age_s": round(now - self.created, 3),
+            family_memory = self.family.cgroup.memory_usage()
+        with contextlib.suppress(OSError, ValueError, KeyError):  # what it keeps (a fork: beyond what it shares)
+            memory = self.family.groups[self.index].memory_usage()
+        info = {"session_id": self.public_id, "kind": self.kind, "profile": self.profile, "worker": worker,
+                "age_s": round(now - self.created, 3),
                 "idle_s": round(0.0 if self.busy else now - self.last_used, 3), "cells": self.cells,
-                "family_memory_bytes": memory, "family_sessions": len(self.family.sessions),
-                "idle_ttl_s": self.idle_ttl_s}
+                "cpu_s": round(self.cpu_s, 6), "memory_bytes": memory, "family_memory_bytes": family_memory,
+                "family_sessions": len(self.family.sessions), "idle_ttl_s": self.idle_ttl_s}
+        if self.expires is not None:
+            info["expires_in_s"] = round(max(0.0, self.expires - now), 3)
+        return info
 
 
 def pidfd_pid(pidfd: int) -> int:
