@@ -81,6 +81,9 @@ SESSION_PIDS = 2
 #: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
 #: main (its supervisor) and sN (session N's process and its cells').
 FAMILIES_GROUP = "families"
+#: Forks made this long after the last ones warm the kernel's cgroup move lock first (`_warm_moves`):
+#: it goes cold about one RCU grace period after the last move.
+WARM_MOVES_AFTER_S = 0.005
 #: What a Session is: a live session, or a snapshot (a fork that runs no cell, only forks).
 SESSION, SNAPSHOT = "session", "snapshot"
 #: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
@@ -145,6 +148,8 @@ class SessionManager:
         #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
         #: evicted (memory), for the worker's figures.
         self.counts: collections.Counter[str] = collections.Counter()
+        #: When forks were last moved into their cgroups (see `_warm_moves`).
+        self._moved = 0.0
 
     # --- ids ------------------------------------------------------------------------------------
 
@@ -523,7 +528,9 @@ class SessionManager:
                 family.next_index += count
                 groups = await asyncio.to_thread(self._session_groups, family.cgroup, indexes, family.memory_cap)
                 family.groups.update(zip(indexes, groups, strict=True))
-                warm = asyncio.ensure_future(asyncio.to_thread(_warm_moves, family.groups[source.index]))
+                warm = None
+                if time.monotonic() - self._moved > WARM_MOVES_AFTER_S:
+                    warm = asyncio.ensure_future(asyncio.to_thread(_warm_moves, family.groups[source.index]))
                 try:
                     pids = await self._fork_processes(source, indexes, snapshot_ttl_s is not None)
                 except BaseException:
@@ -531,9 +538,10 @@ class SessionManager:
                         await self._drop_group(family, index)
                     raise
                 finally:
-                    await warm
+                    if warm is not None:
+                        await warm
                 try:  # the forks' processes were born in their parent's group
-                    await asyncio.to_thread(self._move_forks, family, source.index, pids, groups)
+                    self._move_forks(family, source.index, pids, groups)
                 except SandboxError as exc:  # without its own caps none may run
                     why = f"its fork could not be kept in its cgroup: {exc}"
                     logger.error("session family %d: %s", family.fid, why)
@@ -594,6 +602,7 @@ class SessionManager:
         return groups
 
     def _move_forks(self, family: Family, parent: int, ns_pids: list[int], groups: list[JailCgroup]) -> None:
+        self._moved = time.monotonic()
         procs = family.groups[parent].procs()
         for ns_pid, group in zip(ns_pids, groups, strict=True):
             pid = host_pid(procs, ns_pid)
