@@ -84,7 +84,11 @@ async def test_a_timed_out_cell_is_rolled_back_and_nothing_is_replayed(client: h
     false, and the state is intact (their server restarts the shell and answers true twice)."""
     sid = uuid.uuid4().hex
     await run(client, "x = [1]", sid)
-    assert (await run(client, "x.append(2); import time; time.sleep(5)", sid, timeout=1))["process_status"] == "timeout"
+    stopped = await run(client, "x.append(2); print('so far', x); import time; time.sleep(5)", sid, timeout=1)
+    assert without_new(stopped) == {"process_status": "timeout", "stdout": "so far [1, 2]\n",  # what it printed
+                                    "stderr": "Execution timed out after 1 seconds\n"}
+    long = await run(client, "print('y' * 50); import time; time.sleep(5)", sid, timeout=1, max_output_characters=10)
+    assert long["stdout"] == "y" * 10 + "<output cut>", long
     after = await run(client, "x", sid)
     assert after == {"process_status": "completed", "stdout": "[1]\n", "stderr": "", "new_session_created": False}
     # Their test_state_restoration's errored cell: an exception keeps what ran before it, as IPython does.

@@ -68,7 +68,18 @@ except NameError:
             shell = globals()["_codeenv_shell"] = TerminalInteractiveShell(config=config)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         shell.InteractiveTB.set_mode(mode=verbosity)
-        out, err = io.StringIO(), io.StringIO()
+
+        class Tee(io.StringIO):  # what the cell prints also reaches fd 1 (up to the limit): kept on a timeout
+            left = limit + 1
+
+            def write(self, text):
+                if Tee.left > 0:
+                    real.write(text[:Tee.left])
+                    real.flush()
+                    Tee.left -= len(text[:Tee.left])
+                return super().write(text)
+
+        real, out, err = sys.stdout, Tee(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             result = shell.run_cell(code)
         ansi = re.compile(r"\x1B(?:[@-Z\-_]|\[[0-?]*[ -/]*[@-~])")
@@ -280,9 +291,9 @@ def _failed(why: str, new: bool) -> dict[str, Any]:
 
 def _cell_answer(result: ExecResult, body: NemoExecute, new: bool) -> dict[str, Any]:
     limit = body.max_output_characters
-    if result.status is Status.timeout:
-        return {"process_status": "timeout", "stdout": "", "stderr": _cut(body.timeout_text(), limit),
-                "new_session_created": new}
+    if result.status is Status.timeout:  # what it printed before it was stopped, as their interrupted cell
+        return {"process_status": "timeout", "stdout": _cut(result.stdout.partition(MARK)[0], limit),
+                "stderr": _cut(body.timeout_text(), limit), "new_session_created": new}
     _, mark, report = result.stdout.rpartition(MARK)
     if result.status in (Status.ok, Status.error) and mark:
         try:

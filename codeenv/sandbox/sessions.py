@@ -526,20 +526,23 @@ class SessionManager:
                     raise session_lost(source.public_id, family.ended)
                 indexes = list(range(family.next_index, family.next_index + count))
                 family.next_index += count
-                groups = await asyncio.to_thread(self._session_groups, family.cgroup, indexes, family.memory_cap)
-                family.groups.update(zip(indexes, groups, strict=True))
-                warm = None
-                if time.monotonic() - self._moved > WARM_MOVES_AFTER_S:
-                    warm = asyncio.ensure_future(asyncio.to_thread(_warm_moves, family.groups[source.index]))
+                # Their groups are made (and the move lock warmed, after a pause) while they are forked.
+                made = asyncio.ensure_future(asyncio.to_thread(
+                    self._session_groups, family, source.index, indexes,
+                    time.monotonic() - self._moved > WARM_MOVES_AFTER_S))
                 try:
                     pids = await self._fork_processes(source, indexes, snapshot_ttl_s is not None)
                 except BaseException:
-                    for index in indexes:
-                        await self._drop_group(family, index)
+                    with contextlib.suppress(BaseException):
+                        for group in await made:
+                            await asyncio.to_thread(group.remove)
                     raise
-                finally:
-                    if warm is not None:
-                        await warm
+                try:
+                    groups = await made
+                except BaseException:
+                    await self._close_forks(family, indexes)
+                    raise
+                family.groups.update(zip(indexes, groups, strict=True))
                 try:  # the forks' processes were born in their parent's group
                     self._move_forks(family, source.index, pids, groups)
                 except SandboxError as exc:  # without its own caps none may run
@@ -564,8 +567,8 @@ class SessionManager:
             source.last_used = time.monotonic()
 
     async def _fork_processes(self, source: Session, indexes: list[int], snapshot: bool) -> list[int]:
-        """The supervisor forks `source`'s process once per index (their groups are made): the forks'
-        pids in the family's namespace. A fork refused or not made ends the others made with it."""
+        """The supervisor forks `source`'s process once per index: the forks' pids in the family's
+        namespace. A fork refused or not made ends the others made with it."""
         s, family = self.settings, source.family
         parent = family.groups[source.index]  # the forks' processes are born there
         with contextlib.suppress(OSError, ValueError):
@@ -576,10 +579,7 @@ class SessionManager:
         made = [p for p in pids if p is not None]
         if len(made) == len(indexes):
             return made
-        for index, pid in zip(indexes, pids, strict=True):
-            if pid is not None:
-                with contextlib.suppress(SessionError):
-                    await self._ask(family, family.channel.close(index, s.control_timeout_s + s.cleanup_timeout_s))
+        await self._close_forks(family, [index for index, pid in zip(indexes, pids, strict=True) if pid is not None])
         if refused is not None:
             hint = ("; CODEENV_SESSION_FORKS_APART=false makes forks that share their family's domain"
                     if "Landlock" in refused else "")
@@ -590,16 +590,27 @@ class SessionManager:
                            "forks were not made (none was kept)", SessionErrorKind.ended if not made
                            else SessionErrorKind.full)
 
-    def _session_groups(self, family_group: JailCgroup, indexes: list[int], memory_cap: int) -> list[JailCgroup]:
+    def _session_groups(self, family: Family, parent: int, indexes: list[int], warm: bool) -> list[JailCgroup]:
+        """The groups of forks `indexes` of session `parent` (none if one cannot be made), then, if
+        `warm`, the move lock warmed (`_warm_moves`)."""
         groups: list[JailCgroup] = []
         try:
             for index in indexes:
-                groups.append(self._session_group(family_group, index, memory_cap))
+                groups.append(self._session_group(family.cgroup, index, family.memory_cap))
         except BaseException:
             for group in groups:
                 group.remove()
             raise
+        if warm:
+            _warm_moves(family.groups[parent])
         return groups
+
+    async def _close_forks(self, family: Family, indexes: list[int]) -> None:
+        """End forks the supervisor made (their processes are in their parent's group)."""
+        s = self.settings
+        for index in indexes:
+            with contextlib.suppress(SessionError):
+                await self._ask(family, family.channel.close(index, s.control_timeout_s + s.cleanup_timeout_s))
 
     def _move_forks(self, family: Family, parent: int, ns_pids: list[int], groups: list[JailCgroup]) -> None:
         self._moved = time.monotonic()
