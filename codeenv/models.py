@@ -272,14 +272,17 @@ class SessionCell(BaseModel):
                            cell_id=self.cell_id, display_last=True)
 
 
+#: How many forks one request makes.
+ForkCount = Annotated[int, Field(ge=1, le=1024), BeforeValidator(_integral)]
+
+
 class SessionFork(BaseModel):
     """Forks of a session or a snapshot (POST /v1/sessions/{id}/fork, /v1/snapshots/{id}/fork)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"count": 8}]})
 
-    count: Integer | None = Field(None, ge=1, le=1024, description="how many forks, made at once (each its own "
-                                                                   "session); without it, one, answered as a "
-                                                                   "session (with it, as a list)")
+    count: ForkCount | None = Field(None, description="how many forks, made at once (each its own session); "
+                                                      "without it, one, answered as a session (with it, as a list)")
 
 
 class SnapshotCreate(BaseModel):
