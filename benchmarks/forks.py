@@ -72,7 +72,7 @@ async def measure(forks: int) -> dict[str, Any]:
 
 async def measure_siblings(n: int, rounds: int, profile: str) -> dict[str, Any]:
     from codeenv import ExecRequest, SandboxSettings, SlotPool
-    from codeenv.sandbox.sessions import SNAPSHOT
+    from codeenv.sandbox.outside.family import SNAPSHOT
 
     async with SlotPool(SandboxSettings(slots=1)) as pool:
         m = pool.sessions

@@ -712,6 +712,11 @@ async def test_a_fork_sixteen_generations_deep_is_the_last(pool: SlotPool) -> No
         with pytest.raises(SessionError) as refused:
             await m.fork(last.id)
         assert refused.value.kind is SessionErrorKind.conflict and "16 generations" in str(refused.value)
+        held = len(last.family.sessions), set(last.family.groups)
+        with pytest.raises(SessionError) as refused:  # N at once: all or none
+            await m.forks(last.id, count=3)
+        assert "16 generations" in str(refused.value)
+        assert (len(last.family.sessions), set(last.family.groups)) == held  # nothing kept, no group left
         assert (await cell(pool, last, "x + 1")).value == "1"
 
 

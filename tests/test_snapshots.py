@@ -17,7 +17,7 @@ from codeenv import SlotPool
 from codeenv.client import AsyncClient, Client
 from codeenv.errors import SessionError, SessionErrorKind
 from codeenv.models import ExecRequest
-from codeenv.sandbox.sessions import SNAPSHOT
+from codeenv.sandbox.outside.family import SNAPSHOT
 from tests.conftest import Served
 
 pytestmark = pytest.mark.jail

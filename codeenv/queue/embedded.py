@@ -22,8 +22,9 @@ from typing import Any
 from codeenv.errors import InvalidRequest, PoolClosed, SessionError, SessionErrorKind, id_taken
 from codeenv.models import ExecRequest, ExecResult, Limits, Refusal, SessionInfo, Status
 from codeenv.queue.base import OnResult, SessionService, notify_each, until_done_or_gone
+from codeenv.sandbox.outside.family import SESSION, SNAPSHOT
 from codeenv.sandbox.pool import SlotPool
-from codeenv.sandbox.sessions import SESSION, SNAPSHOT, SessionManager
+from codeenv.sandbox.sessions import SessionManager
 from codeenv.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)

@@ -51,6 +51,7 @@ from codeenv.errors import (
     session_not_found,
 )
 from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Refusal, Status, printable
+from codeenv.sandbox import session_forks
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
 from codeenv.sandbox.image import Image, Profile
@@ -58,7 +59,7 @@ from codeenv.sandbox.inside.protocol import REPORT_BYTES
 from codeenv.sandbox.jail import family_filter_hex
 from codeenv.sandbox.outside.call_io import CallFiles, Exited, Outcome, collect
 from codeenv.sandbox.outside.families import CellRun, SessionJail
-from codeenv.sandbox.outside.family import Family, Session, pidfd_pid
+from codeenv.sandbox.outside.family import SESSION, Family, Session, pidfd_pid
 from codeenv.sandbox.outside.process import host_pid, write_oom_score
 from codeenv.sandbox.sizing import families_socket_memory_limit, meminfo_bytes, socket_memory_limit
 from codeenv.sandbox.uids import in_user_namespace
@@ -81,11 +82,6 @@ SESSION_PIDS = 2
 #: The cgroup (below the worker's subtree) that holds every family's group: familyN, and below it
 #: main (its supervisor) and sN (session N's process and its cells').
 FAMILIES_GROUP = "families"
-#: Forks made this long after the last ones warm the kernel's cgroup move lock first (`_warm_moves`):
-#: it goes cold about one RCU grace period after the last move.
-WARM_MOVES_AFTER_S = 0.005
-#: What a Session is: a live session, or a snapshot (a fork that runs no cell, only forks).
-SESSION, SNAPSHOT = "session", "snapshot"
 #: Cells that run at once, per slot (more wait their turn): what bounds the fds and CPU that running
 #: cells take besides their families' idle share.
 CELLS_PER_SLOT = 4
@@ -148,8 +144,8 @@ class SessionManager:
         #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
         #: evicted (memory), for the worker's figures.
         self.counts: collections.Counter[str] = collections.Counter()
-        #: When forks were last moved into their cgroups (see `_warm_moves`).
-        self._moved = 0.0
+        #: When forks were last moved into their cgroups (see session_forks.py).
+        self.moved = 0.0
 
     # --- ids ------------------------------------------------------------------------------------
 
@@ -497,130 +493,15 @@ class SessionManager:
     async def forks(self, session_id: str, owner: bytes = b"", count: int = 1, kind: str = SESSION) -> list[Session]:
         """`count` new sessions in the same family (and of the same owner), each from the state of session
         `session_id` (after its running cell, if any), or of snapshot `session_id` with `kind` SNAPSHOT."""
-        return await self._branch(self.lookup(session_id, owner, kind), count)
+        return await session_forks.branch(self, self.lookup(session_id, owner, kind), count)
 
     async def snapshot(self, session_id: str, owner: bytes = b"", ttl_s: float | None = None) -> Session:
         """A snapshot of session `session_id` (after its running cell, if any): a fork that runs no cell and
         holds its work dir in its memory, forkable until `ttl_s` (default: the setting) has passed, after
         the session ended too."""
         ttl = min(ttl_s or self.settings.snapshot_ttl_s, self.settings.session_max_lifetime_s)
-        [snapshot] = await self._branch(self.lookup(session_id, owner), 1, ttl)
+        [snapshot] = await session_forks.branch(self, self.lookup(session_id, owner), 1, ttl)
         return snapshot
-
-    async def _branch(self, source: Session, count: int, snapshot_ttl_s: float | None = None) -> list[Session]:
-        """`count` forks of `source` (a session or a snapshot) made at once; a snapshot when `snapshot_ttl_s`
-        is set. All or none: a fork that cannot be made ends those made with it."""
-        s = self.settings
-        family = source.family
-        if count < 1:
-            raise InvalidRequest("count: at least 1")
-        if len(family.sessions) + count > s.session_forks_max:
-            raise SessionError(f"this session's family holds {len(family.sessions)} sessions and snapshots: "
-                               f"{count} more would pass the most one may hold ({s.session_forks_max}, "
-                               "CODEENV_SESSION_FORKS_MAX); delete some first", SessionErrorKind.conflict)
-        self._admit(source.owner, count)
-        source.busy += 1
-        try:
-            async with family.lock:
-                if family.ended is not None:
-                    raise session_lost(source.public_id, family.ended)
-                indexes = list(range(family.next_index, family.next_index + count))
-                family.next_index += count
-                # Their groups are made (and the move lock warmed, after a pause) while they are forked.
-                made = asyncio.ensure_future(asyncio.to_thread(
-                    self._session_groups, family, source.index, indexes,
-                    time.monotonic() - self._moved > WARM_MOVES_AFTER_S))
-                try:
-                    pids = await self._fork_processes(source, indexes, snapshot_ttl_s is not None)
-                except BaseException:
-                    with contextlib.suppress(BaseException):
-                        for group in await made:
-                            await asyncio.to_thread(group.remove)
-                    raise
-                try:
-                    groups = await made
-                except BaseException:
-                    await self._close_forks(family, indexes)
-                    raise
-                family.groups.update(zip(indexes, groups, strict=True))
-                try:  # the forks' processes were born in their parent's group
-                    self._move_forks(family, source.index, pids, groups)
-                except SandboxError as exc:  # without its own caps none may run
-                    why = f"its fork could not be kept in its cgroup: {exc}"
-                    logger.error("session family %d: %s", family.fid, why)
-                    await self._end_family(family, why)
-                    raise SessionError(f"the session has ended: {why}", SessionErrorKind.ended) from None
-                finally:
-                    family.close_files()
-                children = []
-                for index in indexes:
-                    child = Session(self._new_id(source.owner), index, family, source.owner, source.profile,
-                                    source.idle_ttl_s, source.limits, cells=source.cells)
-                    if snapshot_ttl_s is not None:  # what its forks take: its source's idle TTL and limits
-                        child.kind, child.expires = SNAPSHOT, time.monotonic() + snapshot_ttl_s
-                    family.sessions[index] = child
-                    self.sessions[child.id] = child
-                    children.append(child)
-                return children
-        finally:
-            source.busy -= 1
-            source.last_used = time.monotonic()
-
-    async def _fork_processes(self, source: Session, indexes: list[int], snapshot: bool) -> list[int]:
-        """The supervisor forks `source`'s process once per index: the forks' pids in the family's
-        namespace. A fork refused or not made ends the others made with it."""
-        s, family = self.settings, source.family
-        parent = family.groups[source.index]  # the forks' processes are born there
-        with contextlib.suppress(OSError, ValueError):
-            parent.set_pids_max(parent.pids_current() + len(indexes))
-        timeout = s.control_timeout_s + s.cleanup_timeout_s + 2.0 * len(indexes)
-        pids, refused = await self._ask(family, family.channel.fork(
-            source.index, indexes, s.session_forks_apart, snapshot, timeout))
-        made = [p for p in pids if p is not None]
-        if len(made) == len(indexes):
-            return made
-        await self._close_forks(family, [index for index, pid in zip(indexes, pids, strict=True) if pid is not None])
-        if refused is not None:
-            hint = ("; CODEENV_SESSION_FORKS_APART=false makes forks that share their family's domain"
-                    if "Landlock" in refused else "")
-            raise SessionError(f"the session cannot be forked: its fork would be {refused}{hint}",
-                               SessionErrorKind.conflict)
-        raise SessionError("the session could not be forked (its process is gone)" if not made else
-                           f"the session could not be forked: {len(indexes) - len(made)} of its {len(indexes)} "
-                           "forks were not made (none was kept)", SessionErrorKind.ended if not made
-                           else SessionErrorKind.full)
-
-    def _session_groups(self, family: Family, parent: int, indexes: list[int], warm: bool) -> list[JailCgroup]:
-        """The groups of forks `indexes` of session `parent` (none if one cannot be made), then, if
-        `warm`, the move lock warmed (`_warm_moves`)."""
-        groups: list[JailCgroup] = []
-        try:
-            for index in indexes:
-                groups.append(self._session_group(family.cgroup, index, family.memory_cap))
-        except BaseException:
-            for group in groups:
-                group.remove()
-            raise
-        if warm:
-            _warm_moves(family.groups[parent])
-        return groups
-
-    async def _close_forks(self, family: Family, indexes: list[int]) -> None:
-        """End forks the supervisor made (their processes are in their parent's group)."""
-        s = self.settings
-        for index in indexes:
-            with contextlib.suppress(SessionError):
-                await self._ask(family, family.channel.close(index, s.control_timeout_s + s.cleanup_timeout_s))
-
-    def _move_forks(self, family: Family, parent: int, ns_pids: list[int], groups: list[JailCgroup]) -> None:
-        self._moved = time.monotonic()
-        procs = family.groups[parent].procs()
-        for ns_pid, group in zip(ns_pids, groups, strict=True):
-            pid = host_pid(procs, ns_pid)
-            if pid is None:
-                raise SandboxError(f"the session process {ns_pid} of the family is not in its group "
-                                   f"{family.groups[parent].name}")
-            family.move([pid], group)
 
     async def _make_room(self, owner: bytes) -> None:
         """Evict least recently used idle families of `owner` (the client that needs room, never
@@ -841,17 +722,6 @@ class SessionManager:
     def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
         """The live sessions of `owner`, and no one else's."""
         return [s.describe(self.worker) for s in self.sessions.values() if hmac.compare_digest(s.owner, owner)]
-
-
-def _warm_moves(group: JailCgroup) -> None:
-    """Move `group`'s first process into `group` (where it is: nothing changes), while its forks are
-    made. Moving a process between cgroups first waits out an RCU grace period when none moved for a
-    while (the kernel's threadgroup lock, on cgroup v1 and on v2 without favordynmods): about 15 ms
-    here, which this spends while the supervisor forks (forks do not wait for it), so that the forks'
-    own moves after it find the lock warm. It holds the cgroup mutex while it waits: groups are made
-    before it."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        group.procs_files()[0].write_text(str(group.procs()[0]))
 
 
 def _exited(pidfd: int) -> bool:

@@ -45,6 +45,18 @@ from .proc import (
 )
 from .protocol import MAX_FDS, MAX_MSG, ONE_FD, SETUP_FAILED, CallFd, Cell, CellFd, Ctl, Family, Session, decode, encode
 from .rollback import UNRESTORED_MAX, not_restored, open_files
+from .session_procs import (
+    alive,
+    freeze,
+    random_state,
+    restore_random,
+    send_signal,
+    sender_pid,
+    stopped,
+    thaw,
+    thread_count,
+    wait_stopped,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -56,104 +68,6 @@ if TYPE_CHECKING:
 SESSION_REPLY_S = 2.0
 #: Most forks one request makes (a family holds at most CODEENV_SESSION_FORKS_MAX sessions anyway).
 FORKS_AT_ONCE = 1024
-#: Time the kernel has to show a stopped session's threads stopped.
-STOP_WAIT_S = 1.0
-
-
-def _sender_pid(sock: socket.socket) -> tuple[bytes, int | None]:
-    """(message, the sending process's pid as the kernel saw it) from a socket with SO_PASSCRED."""
-    import struct
-
-    data, anc, _, _ = sock.recvmsg(MAX_MSG, socket.CMSG_SPACE(12))
-    pid = None
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
-            pid = struct.unpack("3i", payload[:12])[0]
-    return data, pid
-
-
-def _threads() -> int:
-    """Threads of this process (a fork keeps one; those it drops may hold locks)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 2  # unknown: as if there were others
-
-
-def _random_state() -> object:
-    """The random module's own generator state: CPython reseeds it in every forked child, and a
-    session's next cell (a fork) must find it as the last cell left it."""
-    module = sys.modules.get("random")
-    return module.getstate() if module is not None else None
-
-
-def _restore_random(state: Any) -> None:
-    if state is not None:
-        sys.modules["random"].setstate(state)
-
-
-#: Process states (/proc/PID/stat's third field) of a process that has exited.
-EXITED = (b"Z", b"X")
-
-
-def _state(stat: str) -> bytes | None:
-    """The state letter in the /proc stat file `stat`, or None if it cannot be read (gone)."""
-    try:
-        with open(stat, "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: str) -> bool:
-    """Whether process `pid` (a /proc entry's name) has not exited: a zombie has nothing left to kill."""
-    state = _state(f"/proc/{pid}/stat")
-    return state is not None and state not in EXITED
-
-
-def _stopped(pid: int) -> bool:
-    """Whether every thread of `pid` is stopped (or gone), as /proc shows it."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    return all(_state(f"/proc/{pid}/task/{task}/stat") in (None, b"T", b"t", *EXITED) for task in tasks)
-
-
-def _signal(pid: int, sig: int) -> bool:
-    """Send `sig` to `pid`; False if it is gone."""
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_stopped(pid: int) -> bool:
-    """Wait until the kernel shows every thread of `pid` stopped (at most STOP_WAIT_S); whether it does."""
-    deadline = time.monotonic() + STOP_WAIT_S
-    while not _stopped(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.0001)
-    return True
-
-
-def freeze(pid: int) -> None:
-    """Stop an idle session's process, threads and all, and wait until the kernel shows it stopped: a
-    session runs nothing between cells, and its CPU time ends when its cell's answer is made.
-
-    One already stopped is not signalled again: a stopped process does not take a SIGSTOP off its
-    queue, and a queued signal counts against the family's RLIMIT_SIGPENDING until it is resumed
-    (each stopped sibling held one of the family's 64 while its siblings' cells ran)."""
-    if not _stopped(pid) and _signal(pid, signal.SIGSTOP):
-        wait_stopped(pid)
-
-
-def thaw(pid: int) -> None:
-    _signal(pid, signal.SIGCONT)
-
-
 class SessionProcess:
     """A session's process: it waits for a cell (or a fork) on its channel. A cell's process that ends
     by itself, and a fork, carry on in this same loop (no call nests: a session lives through any
@@ -185,7 +99,7 @@ class SessionProcess:
             if op == Session.CELL and len(fds) == CellFd.COUNT:
                 self.cell(msg, fds)
             elif op == Session.FORK and len(fds) == ONE_FD:
-                state = _random_state()
+                state = random_state()
                 try:
                     pid = proc.fork()
                 except OSError:  # no process to be had (its pids cap): no fork, and this session lives on
@@ -194,7 +108,7 @@ class SessionProcess:
                 if pid == 0:  # the new session: our child until we end (then the supervisor's)
                     try:
                         self.ch.close()
-                        _restore_random(state)
+                        restore_random(state)
                         self.forked(fds[0], msg)
                     except BaseException:
                         proc.hard_exit(SETUP_FAILED)
@@ -208,14 +122,14 @@ class SessionProcess:
     def cell(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Fork the cell; here, wait for it unless it becomes the session (then return in it)."""
         proc.reap_children()  # only the cell's process may be our child while it runs
-        state = _random_state()
-        threads = _threads()
+        state = random_state()
+        threads = thread_count()
         opened = open_files({*fds, self.ch.fileno()})
         pid = proc.fork()
         if pid == 0:
             try:
                 self.ch.close()
-                _restore_random(state)
+                restore_random(state)
                 self.run_cell(fds, msg, fresh_streams=threads > 1)
             except BaseException:
                 proc.hard_exit(SETUP_FAILED)
@@ -375,12 +289,12 @@ class Supervisor:
         for attempt in range(1 if once else 200):
             victims = []
             for name in os.listdir("/proc"):
-                if name.isdigit() and int(name) != 1 and int(name) not in keep and _alive(name):
+                if name.isdigit() and int(name) != 1 and int(name) not in keep and alive(name):
                     victims.append(int(name))
             if not victims:
                 return
             for pid in victims:
-                _signal(pid, signal.SIGKILL)
+                send_signal(pid, signal.SIGKILL)
             proc.reap_children()
             if attempt:
                 time.sleep(0.001)
@@ -411,7 +325,7 @@ class Supervisor:
             ours.close()
             return None
         try:
-            data, pid = _sender_pid(ours)
+            data, pid = sender_pid(ours)
         except OSError:
             data, pid = b"", None
         hello = decode(data) if data else None
@@ -446,8 +360,8 @@ class Supervisor:
             self.end(sid)
             reply["lost"] = True
             return reply
-        if not _stopped(pid):  # the pre-cell process stops itself; if it did not, it is stopped here
-            _signal(pid, signal.SIGSTOP)
+        if not stopped(pid):  # the pre-cell process stops itself; if it did not, it is stopped here
+            send_signal(pid, signal.SIGSTOP)
         # The worker makes the cell's processes the first the OOM killer takes (the pre-cell process
         # shares their group), then the cell may run.
         try:
@@ -461,7 +375,7 @@ class Supervisor:
                 pass
         else:  # stopped before it ran a line
             reply["killed"] = True
-            _signal(cell_pid, signal.SIGKILL)
+            send_signal(cell_pid, signal.SIGKILL)
         done = self._watch_cell(cell_pid, ours, deadline, reply)
         reply["wall_s"] = time.monotonic() - t0
         if done is not None:  # the cell is the session now
@@ -497,7 +411,7 @@ class Supervisor:
         if not ready:
             return None
         try:
-            data, cell_pid = _sender_pid(ours)
+            data, cell_pid = sender_pid(ours)
         except OSError:
             return None
         return cell_pid if data else None
@@ -527,7 +441,7 @@ class Supervisor:
         def from_cell() -> bool:
             nonlocal done
             try:
-                data, sender = _sender_pid(ours)
+                data, sender = sender_pid(ours)
             except OSError:
                 data, sender = b"", None
             if not data:
@@ -626,7 +540,7 @@ class Supervisor:
         if ch is not None:
             ch.close()
         if pid is not None:
-            _signal(pid, signal.SIGKILL)
+            send_signal(pid, signal.SIGKILL)
         proc.reap_children()
         for _, other in self.sessions.values():  # its parent may be one of them: it reaps it
             try:

@@ -74,6 +74,10 @@ class Family:
         return max((s.last_used for s in self.sessions.values()), default=0.0)
 
 
+#: What a Session is: a live session, or a snapshot (a fork that runs no cell, only forks).
+SESSION, SNAPSHOT = "session", "snapshot"
+
+
 @dataclass
 class Session:
     id: str
@@ -88,7 +92,7 @@ class Session:
     cells: int = 0
     busy: int = 0  # cells running or waiting
     alias: str | None = None  # the id its creator chose, if it chose one (what the session answers to)
-    kind: str = "session"  # or "snapshot": a fork that runs no cell, only forks
+    kind: str = SESSION  # or SNAPSHOT
     expires: float | None = None  # a snapshot's end (monotonic)
     cpu_s: float = 0.0  # its cells' CPU time
     cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
