@@ -351,13 +351,19 @@ def doctor(
 
 @image_app.command("build")
 def image_build(
-    name: Annotated[str, typer.Argument(help="image name or path to an image.toml")] = "python-math",
+    name: Annotated[str, typer.Argument(help="image or toolchain name, or path to its .toml")] = "python-math",
 ) -> None:
-    """Build a sandbox image (if its declaration changed since the last build)."""
+    """Build a sandbox image or a compiler toolchain (if its declaration changed since the last build)."""
     from codeenv.sandbox.image import ensure_image
+    from codeenv.sandbox.toolchain import ensure_toolchain, is_toolchain
 
+    settings = SandboxSettings(image=name, slots=1)
     try:
-        built = ensure_image(SandboxSettings(image=name, slots=1), progress=_progress)
+        if is_toolchain(name):
+            toolchain = ensure_toolchain(name, settings.images_dir, progress=_progress)
+            print(f"{toolchain.spec.name} {toolchain.content_hash} {toolchain.root}")
+            return
+        built = ensure_image(settings, progress=_progress)
     except CodeenvError as exc:
         raise _fail(str(exc)) from exc
     print(f"{built.name} {built.content_hash} {built.root}")
