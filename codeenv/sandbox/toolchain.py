@@ -209,8 +209,11 @@ def _download(spec: ToolchainSpec, cache: Path, say: Progress) -> list[Path]:
     if missing:
         say(f"downloading {len(missing)} packages (apt-get download)")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            done = subprocess.run(["apt-get", "download", *[f"{p.name}={p.version}" for p in missing]],
-                                  cwd=tmp, capture_output=True, text=True, timeout=1800)
+            argv = ["apt-get", "download", *[f"{p.name}={p.version}" for p in missing]]
+            done = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:  # package lists absent or stale (a fresh host): once more after an update
+                subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+                done = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=1800)
             if done.returncode != 0:
                 raise ImageError(f"apt-get could not download the packages of {spec.name} (a pinned version "
                                  f"may have left the mirror; refresh the declaration): {done.stderr[-2000:]}")
