@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from codeenv.bench.services import Service, free_port, start_codeenv
+from codeenv.queue.redis import SNAPSHOT_EVERY_S
 from tests.conftest import start_service
 from tests.test_pool_process import _pool_process
 from tests.test_redis import WorkerProcess, wait_for_workers
@@ -82,6 +83,26 @@ async def a_chosen_id_routes(url: str) -> None:
     assert shaped.status_code == 422 and "shape of the ids the service makes" in shaped.text
 
 
+async def siblings_and_a_snapshot_route(url: str, sid: str) -> None:
+    """N forks in one request, and a snapshot forked after its session was deleted, each request on a
+    new connection (so from either gateway process)."""
+    made = await ask(url, "POST", f"/v1/sessions/{sid}/fork", {"count": 3})
+    assert made.status_code == 201, made.text
+    forks = made.json()["session_ids"]
+    assert [(await cell(url, f, f"n += {i}; n"))["value"] for i, f in enumerate(forks)] == ["8", "9", "10"]
+    source = (await ask(url, "POST", f"/v1/sessions/{forks[2]}/snapshot", {"ttl_s": 60})).json()["snapshot_id"]
+    for f in forks:
+        assert (await ask(url, "DELETE", f"/v1/sessions/{f}")).status_code == 204
+    again = await ask(url, "POST", f"/v1/snapshots/{source}/fork", {"count": 2})
+    assert again.status_code == 201, again.text
+    assert [(await cell(url, f, "n"))["value"] for f in again.json()["session_ids"]] == ["10", "10"]
+    listed = (await ask(url, "GET", "/v1/sessions")).json()
+    assert [s["snapshot_id"] for s in listed["snapshots"]] == [source]
+    assert (await ask(url, "DELETE", f"/v1/snapshots/{source}")).status_code == 204
+    for f in again.json()["session_ids"]:
+        assert (await ask(url, "DELETE", f"/v1/sessions/{f}")).status_code == 204
+
+
 async def counts_from_every_process(url: str, sid: str, times: int) -> list[str | None]:
     """`times` cells that each add one to the session's `n`, each on a new connection."""
     return [(await cell(url, sid, "n += 1; n")).get("value") for _ in range(times)]
@@ -113,6 +134,7 @@ async def test_with_processes_every_gateway_process_reaches_every_session(tmp_pa
         assert (await ask(service.url, "DELETE", f"/v1/sessions/{fid}")).status_code == 204
         assert (await cell(service.url, fid, "n"))["http"] == 410
         assert (await ask(service.url, "POST", "/v1/sessions/nonsense/fork")).status_code == 404
+        await siblings_and_a_snapshot_route(service.url, sid)
         await a_chosen_id_routes(service.url)
 
         # The pool process SIGKILLed (as a dead worker): its sessions die with it, and once the
@@ -150,6 +172,10 @@ async def test_with_redis_sessions_live_on_their_worker_and_die_with_it(redis_se
     try:
         await wait_for_workers(redis_server, prefix, 2)
         await gateway.await_ready(120)
+        # Each gateway process sees both workers (its view refreshes every SNAPSHOT_EVERY_S): before
+        # that, one that saw only the first worker sent every new session there.
+        await per_worker(url, "session_room", lambda v: len(v) == 2)
+        await asyncio.sleep(SNAPSHOT_EVERY_S * 1.5)
         # Spread over both workers, each holding its own: every cell reaches its session's worker.
         sessions = []
         for _ in range(4):

@@ -37,9 +37,11 @@ class SessionManager(Protocol):
     async def _ask[T](self, family: Family, request: Awaitable[T]) -> T: ...
     async def _end_family(self, family: Family, why: str) -> None: ...
 
+
 #: Forks made this long after the last ones warm the kernel's cgroup move lock first (`_warm_moves`):
 #: it goes cold about one RCU grace period after the last move.
 WARM_MOVES_AFTER_S = 0.005
+
 
 async def branch(m: SessionManager, source: Session, count: int,
                  snapshot_ttl_s: float | None = None) -> list[Session]:
@@ -71,6 +73,8 @@ async def branch(m: SessionManager, source: Session, count: int,
                 with contextlib.suppress(BaseException):
                     for group in await made:
                         await asyncio.to_thread(group.remove)
+                    if family.ended is not None:  # its removal waited on these groups: once more now
+                        await asyncio.to_thread(family.cgroup.remove)
                 raise
             try:
                 groups = await made
@@ -101,6 +105,7 @@ async def branch(m: SessionManager, source: Session, count: int,
         source.busy -= 1
         source.last_used = time.monotonic()
 
+
 async def _fork_processes(m: SessionManager, source: Session, indexes: list[int], snapshot: bool) -> list[int]:
     """The supervisor forks `source`'s process once per index: the forks' pids in the family's
     namespace. A fork refused or not made ends the others made with it."""
@@ -125,6 +130,7 @@ async def _fork_processes(m: SessionManager, source: Session, indexes: list[int]
                        "forks were not made (none was kept)", SessionErrorKind.ended if not made
                        else SessionErrorKind.full)
 
+
 def _session_groups(m: SessionManager, family: Family, parent: int, indexes: list[int],
                     warm: bool) -> list[JailCgroup]:
     """The groups of forks `indexes` of session `parent` (none if one cannot be made), then, if
@@ -141,12 +147,14 @@ def _session_groups(m: SessionManager, family: Family, parent: int, indexes: lis
         _warm_moves(family.groups[parent])
     return groups
 
+
 async def _close_forks(m: SessionManager, family: Family, indexes: list[int]) -> None:
     """End forks the supervisor made (their processes are in their parent's group)."""
     s = m.settings
     for index in indexes:
         with contextlib.suppress(SessionError):
             await m._ask(family, family.channel.close(index, s.control_timeout_s + s.cleanup_timeout_s))
+
 
 def _move_forks(m: SessionManager, family: Family, parent: int, ns_pids: list[int],
                 groups: list[JailCgroup]) -> None:
