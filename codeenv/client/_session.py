@@ -119,11 +119,7 @@ class AsyncSession:
         (a fork left open lives until its idle TTL). With `count`, that many made at once (a list;
         ``async with s.fork(count=8) as forks:`` closes them all). A fork replays as its parent does:
         its parent's kept cells, then its own."""
-        history = None if self._history is None else list(self._history)
-        path = f"/v1/sessions/{self.id}/fork"
-        if count is None:
-            return SessionStarter(self._client, path, None, origin=self._origin, history=history)
-        return ForksStarter(self._client, path, count, origin=self._origin, history=history)
+        return _forks(self._client, f"/v1/sessions/{self.id}/fork", count, self._origin, self._history)
 
     async def snapshot(self, ttl_s: float | None = None) -> AsyncSnapshot:
         """Keep this session's current state as a snapshot, to fork from (by any of the caller's
@@ -188,6 +184,16 @@ class SessionStarter:
             await self._session.close()
 
 
+def _forks(client: _Client, path: str, count: int | None, origin: dict[str, Any] | None,
+           history: History | None) -> SessionStarter | ForksStarter:
+    """What a fork request at `path` starts: one session (`count` None) or `count` of them, each with
+    its own copy of the kept cells it replays from."""
+    history = None if history is None else list(history)
+    if count is None:
+        return SessionStarter(client, path, None, origin=origin, history=history)
+    return ForksStarter(client, path, count, origin=origin, history=history)
+
+
 class ForksStarter:
     """What `session.fork(count=N)` and `snapshot.fork(count=N)` return: awaited, the N started
     AsyncSessions; used with `async with`, they are closed at the end of the block."""
@@ -242,11 +248,7 @@ class AsyncSnapshot:
     def fork(self, count: int | None = None) -> SessionStarter | ForksStarter:
         """A new session from the snapshot's state (awaited, or ``async with``); with `count`, that many
         made at once (a list)."""
-        history = None if self._history is None else list(self._history)
-        path = f"/v1/snapshots/{self.id}/fork"
-        if count is None:
-            return SessionStarter(self._client, path, None, origin=self._origin, history=history)
-        return ForksStarter(self._client, path, count, origin=self._origin, history=history)
+        return _forks(self._client, f"/v1/snapshots/{self.id}/fork", count, self._origin, self._history)
 
     async def close(self) -> None:
         """Delete the snapshot (idempotent; one that ended already is fine)."""

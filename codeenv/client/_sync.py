@@ -89,69 +89,58 @@ class Client:
         self.close()
 
 
-class Session:
-    """AsyncSession, blocking."""
+class _Forkable:
+    """What a blocking session and snapshot share: their id, forks (one, or `count` made at once), and
+    their end (also at the end of a ``with`` block)."""
 
-    def __init__(self, client: Client, inner: AsyncSession) -> None:
+    def __init__(self, client: Client, inner: AsyncSession | AsyncSnapshot) -> None:
         self._client = client
         self._inner = inner
 
     @property
     def id(self) -> str:
-        """The session's id (a new one after a replay)."""
+        """Its id (a session's: a new one after a replay)."""
         return self._inner.id
 
-    @property
-    def cells(self) -> int:
-        return self._inner.cells
-
-    def run(self, code: str, **options: Any) -> ExecResult:
-        return self._client._call(self._inner.run(code, **options))
-
     def fork(self) -> Session:
-        """A new session from this one's current state: ``with s.fork() as f:`` closes it after the block."""
+        """A new session from its current state: ``with s.fork() as f:`` closes it after the block."""
         return Session(self._client, self._client._call(self._inner.fork()._start()))
 
     def forks(self, count: int) -> list[Session]:
-        """`count` new sessions from this one's current state, made at once."""
+        """`count` new sessions from its current state, made at once."""
         return [Session(self._client, f) for f in self._client._call(self._inner.fork(count)._start())]
-
-    def snapshot(self, ttl_s: float | None = None) -> Snapshot:
-        """AsyncSession.snapshot, blocking: ``with s.snapshot() as snap:`` deletes it after the block."""
-        return Snapshot(self._client, self._client._call(self._inner.snapshot(ttl_s)))
 
     def close(self) -> None:
         self._client._call(self._inner.close())
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session(_Forkable):
+    """AsyncSession, blocking."""
+
+    def __init__(self, client: Client, inner: AsyncSession) -> None:
+        super().__init__(client, inner)
+        self._session = inner
+
+    @property
+    def cells(self) -> int:
+        return self._session.cells
+
+    def run(self, code: str, **options: Any) -> ExecResult:
+        return self._client._call(self._session.run(code, **options))
+
+    def snapshot(self, ttl_s: float | None = None) -> Snapshot:
+        """AsyncSession.snapshot, blocking: ``with s.snapshot() as snap:`` deletes it after the block."""
+        return Snapshot(self._client, self._client._call(self._session.snapshot(ttl_s)))
 
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-
-class Snapshot:
+class Snapshot(_Forkable):
     """AsyncSnapshot, blocking."""
-
-    def __init__(self, client: Client, inner: AsyncSnapshot) -> None:
-        self._client = client
-        self._inner = inner
-
-    @property
-    def id(self) -> str:
-        return self._inner.id
-
-    def fork(self) -> Session:
-        return Session(self._client, self._client._call(self._inner.fork()._start()))
-
-    def forks(self, count: int) -> list[Session]:
-        return [Session(self._client, f) for f in self._client._call(self._inner.fork(count)._start())]
-
-    def close(self) -> None:
-        self._client._call(self._inner.close())
 
     def __enter__(self) -> Snapshot:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -114,17 +114,22 @@ def search_dirs() -> list[Path]:
 
 def find_spec(name: str) -> tuple[ImageSpec, bytes]:
     """Load an image declaration by name (or by a path to its image.toml)."""
-    candidates = [Path(name)] if name.endswith(".toml") else [d / name / "image.toml" for d in search_dirs()]
+    return load_declaration(name, "image.toml", ImageSpec, "image")
+
+
+def load_declaration[M: BaseModel](name: str, filename: str, model: type[M], what: str) -> tuple[M, bytes]:
+    """A declaration (NAME/`filename` in the first of `search_dirs` that has it, or the .toml file
+    `name`) as `model`, and its bytes."""
+    candidates = [Path(name)] if name.endswith(".toml") else [d / name / filename for d in search_dirs()]
     for path in candidates:
         if path.is_file():
             raw = path.read_bytes()
             try:
-                spec = ImageSpec.model_validate(tomllib.loads(raw.decode()))
+                return model.model_validate(tomllib.loads(raw.decode())), raw
             except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValidationError) as exc:
-                raise ImageError(f"{path} is not a valid image declaration: {exc}") from exc
-            return spec, raw
+                raise ImageError(f"{path} is not a valid {what} declaration: {exc}") from exc
     looked = ", ".join(str(c) for c in candidates)
-    raise ImageError(f"no image declaration named {name!r} (looked in {looked})")
+    raise ImageError(f"no {what} declaration named {name!r} (looked in {looked})")
 
 
 def spec_digest(raw: bytes) -> str:

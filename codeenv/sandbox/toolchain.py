@@ -25,7 +25,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -33,7 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from codeenv.errors import ImageError
-from codeenv.sandbox.image import _normalise_modes, _publish, content_hash, search_dirs
+from codeenv.sandbox.image import _normalise_modes, _publish, content_hash, load_declaration, search_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +102,7 @@ class Toolchain:
 
 def find_toolchain_spec(name: str) -> tuple[ToolchainSpec, bytes]:
     """A toolchain declaration by name (or by a path to its toolchain.toml)."""
-    candidates = [Path(name)] if name.endswith(".toml") else [d / name / "toolchain.toml" for d in search_dirs()]
-    for path in candidates:
-        if path.is_file():
-            raw = path.read_bytes()
-            try:
-                return ToolchainSpec.model_validate(tomllib.loads(raw.decode())), raw
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValidationError) as exc:
-                raise ImageError(f"{path} is not a valid toolchain declaration: {exc}") from exc
-    raise ImageError(f"no toolchain declaration named {name!r} (looked in {', '.join(map(str, candidates))})")
+    return load_declaration(name, "toolchain.toml", ToolchainSpec, "toolchain")
 
 
 def is_toolchain(name: str) -> bool:

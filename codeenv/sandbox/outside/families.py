@@ -153,7 +153,7 @@ class FamilyChannel:
         """The supervisor is in its cgroup: its first session may start. Returns that session's pid
         (in the family's pid namespace, as the kernel told the supervisor)."""
         got = await self.ask({"op": Family.GO}, Family.READY, timeout)
-        return _pid(got)
+        return _pid(got.get("pid"))
 
     async def fork(self, sid: int, new_sids: list[int], apart: bool, snapshot: bool,
                    timeout: float) -> tuple[list[int | None], str | None]:
@@ -161,11 +161,11 @@ class FamilyChannel:
         (None for one that was not made), and why not (a fork's own word, if one said)."""
         got = await self.ask({"op": Family.FORK, "sid": sid, "new_sids": new_sids, "apart": apart,
                               "snapshot": snapshot}, Family.FORKED, timeout)
-        refused = got.get("refused")
+        why = str(got["refused"]) if got.get("refused") else None
         pids = got.get("pids")
         if not isinstance(pids, list) or len(pids) != len(new_sids):
-            return [None] * len(new_sids), str(refused) if refused else None
-        return [_pid({"pid": p}) if p is not None else None for p in pids], str(refused) if refused else None
+            return [None] * len(new_sids), why
+        return [None if p is None else _pid(p) for p in pids], why
 
     async def close(self, sid: int, timeout: float) -> None:
         await self.ask({"op": Family.CLOSE, "sid": sid}, Family.CLOSED, timeout)
@@ -218,8 +218,8 @@ class FamilyChannel:
         return run
 
 
-def _pid(msg: dict[str, Any]) -> int:
-    pid = msg.get("pid")
+def _pid(pid: object) -> int:
+    """A session process's pid as the supervisor named it; OSError if it named none."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
         raise OSError(f"the family's supervisor named no session process ({pid!r})")
     return pid
