@@ -160,6 +160,24 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 Text = Annotated[str, AfterValidator(_valid_text)]
 
 
+class Language(StrEnum):
+    """The language of a call's code."""
+
+    python = "python"
+    cpp = "cpp"
+
+
+#: The C++ compiler's flag presets (see the README's "C++"): codeforces' and IOI's own, and code-judge's.
+CppPreset = Literal["codeforces", "ioi", "plain"]
+#: The C++ standards a submission may ask for.
+CppStd = Literal["c++11", "c++14", "c++17", "c++20", "gnu++11", "gnu++14", "gnu++17", "gnu++20"]
+
+
+def _check_language(language: Language, preset: str | None, std: str | None) -> None:
+    if language is not Language.cpp and (preset is not None or std is not None):
+        raise ValueError("preset and std are for language cpp")
+
+
 class ExecRequest(BaseModel):
     """One program to run."""
 
@@ -204,6 +222,11 @@ class ExecRequest(BaseModel):
                                                                   "(POST /v1/sessions); its value is reported")
     cell_id: Text | None = Field(None, max_length=128, description="with session: a retried cell with the same "
                                                                   "id gets the first one's result, never runs twice")
+    language: Language = Field(Language.python, strict=False,
+                               description="python, or cpp: the code is C++, compiled once in a jail of its own "
+                                           "(preset, std) and its binary run under the limits")
+    preset: CppPreset | None = Field(None, description="cpp: the compiler's flags (codeforces by default)")
+    std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
 
     #: With `session`: who asks (the hash of the X-Codeenv-Session-Key the gateway received; b"" for
     #: in-process callers). Never on the wire: the gateway sets it from the request's header.
@@ -216,6 +239,12 @@ class ExecRequest(BaseModel):
         if self.session is not None and (self.files or self.fetch_files or self.judge is not None):
             raise ValueError("a session's cell takes no files, fetch_files or judge: its files live in the "
                              "session's work dir")
+        _check_language(self.language, self.preset, self.std)
+        if self.language is Language.cpp:
+            if self.session is not None or self.display_last:
+                raise ValueError("language cpp runs a compiled program: it takes no session or display_last")
+            if self.judge is not None and self.judge.fn_name is not None:
+                raise ValueError("language cpp takes stdin tests only, not fn_name")
         return self
 
 
@@ -390,6 +419,8 @@ class ExecResult(BaseModel):
     value: str | None = Field(None, description="with display_last: the repr of the last top-level expression, "
                                                 "if it was one and not None (at most 8,192 characters)")
     judge: JudgeOutcome | None = Field(None, description="a judged call's tests (see /v1/judge)")
+    compile: CompileInfo | None = Field(None, description="language cpp: the compilation (a compile error: status "
+                                                          "error, and the program did not run)")
     session: str | None = Field(None, description="the session this cell ran in")
     execution_count: int | None = Field(None, description="a session's cell number (Jupyter's In[n]/Out[n])")
     rolled_back: bool | None = Field(None, description="a session's cell stopped by a limit: the session is as "
@@ -458,7 +489,7 @@ class JudgeStatus(StrEnum):
 #: A function-call test's function name (or method of class Solution): an ASCII identifier.
 FN_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: Languages the judge runs.
-JUDGE_LANGUAGES = ("python",)
+JUDGE_LANGUAGES = ("python", "cpp")
 
 
 class JudgeTest(BaseModel):
@@ -499,6 +530,7 @@ class JudgeSpec(BaseModel):
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
     stop_on_failure: bool = False
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    language: Language = Field(Language.python, strict=False)  # its name, from JSON
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
@@ -517,8 +549,11 @@ class JudgeRequest(BaseModel):
     ]})
 
     code: Text
-    language: Text = Field("python", description="only python so far (in any case)",
-                           json_schema_extra={"pattern": "^[Pp][Yy][Tt][Hh][Oo][Nn]$"})
+    language: Text = Field("python", description="python or cpp (in any case); cpp: stdin tests, the code "
+                                                 "compiled once (preset, std) and its binary run per test",
+                           json_schema_extra={"pattern": "^([Pp][Yy][Tt][Hh][Oo][Nn]|[Cc][Pp][Pp])$"})
+    preset: CppPreset | None = Field(None, description="cpp: the compiler's flags (codeforces by default)")
+    std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
     tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
     fn_name: Text | None = Field(None, max_length=256,
                                  description="function-call tests: the function, or method of class Solution")
@@ -545,13 +580,16 @@ class JudgeRequest(BaseModel):
         if self.language.lower() not in JUDGE_LANGUAGES:
             raise ValueError(f"language {self.language!r} is not supported; the judge runs "
                              f"{', '.join(JUDGE_LANGUAGES)}")
+        _check_language(Language(self.language.lower()), self.preset, self.std)
         return self
 
     def to_call(self) -> ExecRequest:
         """The call that judges this submission (what travels through the queue to a worker)."""
+        language = Language(self.language.lower())
         spec = JudgeSpec(tests=self.tests, fn_name=self.fn_name, compare=self.compare, float_tol=self.float_tol,
-                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s)
-        return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec)
+                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s, language=language)
+        return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
+                           language=language, preset=self.preset, std=self.std)
 
 
 class TestResult(BaseModel):
@@ -581,7 +619,14 @@ class CompileInfo(BaseModel):
     """The submission's compilation."""
 
     status: str = Field(description="ok or error")
-    stderr: str = ""
+    stderr: str = Field("", description="the compiler's diagnostics (its first 64 KiB for C++)")
+    limit: LimitName | None = Field(None, description="error: the compiler's limit it reached (cpu, wall, memory, "
+                                                      "file_size: the binary's size)")
+    message: str | None = None
+    cached: bool = Field(False, description="C++: the binary came from the compile cache (same source, flags "
+                                            "and toolchain)")
+    wall_s: float = Field(0.0, description="C++: the compile's wall-clock time (0 from the cache)")
+    cpu_s: float = Field(0.0, description="C++: the compiler's CPU time")
 
 
 class JudgeOutcome(BaseModel):

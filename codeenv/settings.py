@@ -142,6 +142,12 @@ class SandboxSettings(BaseSettings):
     cleanup_timeout_s: float = Field(60, gt=0, description="time a slot may take to wipe a call's traces")
     control_timeout_s: float = Field(10, gt=0, description="time a zygote has to answer a control message")
     kill_grace_s: float = Field(2, gt=0, description="slack after the wall limit before the worker acts")
+    cpp_toolchain: str = Field("cpp-gcc12", description="the toolchain C++ calls compile with, once built "
+                                                        "(codeenv image build cpp-gcc12); empty: C++ refused")
+    cpp_compile_cpu_s: int = Field(30, ge=1, le=600, description="CPU seconds a compile may take")
+    cpp_compile_memory_mb: int = Field(2048, ge=256, description="memory a compile may take")
+    cpp_binary_mb: int = Field(64, ge=1, le=1024, description="the largest binary a compile may write")
+    cpp_cache_mb: int = Field(1024, ge=0, description="the compile cache's size on disk (0: no cache)")
 
     @field_validator("uid_base", "uid_range_start", mode="before")
     @classmethod

@@ -6,7 +6,7 @@ native API refuses a limit above the server's cap, these endpoints clamp it and 
 - code-judge (rStar2-Agent's training code): ``POST /run``, ``/run/batch``, ``/run/long-batch``,
   ``/judge``, ``/judge/batch``, ``/judge/long-batch``, ``GET /ping``, ``GET /status``.
 - SandboxFusion (verl's sandbox tool and reward, SkyRL, ROLL, the ``sandbox-fusion`` package):
-  ``POST /run_code`` (languages ``python`` and ``pytest``), ``GET /v1/ping``.
+  ``POST /run_code`` (languages ``python``, ``pytest`` and ``cpp``), ``GET /v1/ping``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,19 @@ from codeenv.api.service import Gateway, body_schema, merge, parse, validation_e
 from codeenv.api.statuses import SANDBOX_FUSION, answered
 from codeenv.client.feedback import code_judge_reason
 from codeenv.errors import ApiError, InvalidRequest
-from codeenv.models import ExecRequest, ExecResult, Integer, Limits, Refusal, Status, Text, printable
+from codeenv.models import (
+    CompileInfo,
+    ExecRequest,
+    ExecResult,
+    Integer,
+    Language,
+    LimitName,
+    Limits,
+    Refusal,
+    Status,
+    Text,
+    printable,
+)
 from codeenv.settings import GatewaySettings
 
 #: The routes that take a JSON body (Guard reads and parses it).
@@ -53,8 +65,8 @@ class Submission(BaseModel):
     sub_id: Text | None = None
     # Any language name: one that does not run here is answered for its submission alone
     # (`invalid_input`), so a batch with a stray `javascript` item still runs the others.
-    type: str = Field(description="the language: only \"python\" runs here; any other is answered "
-                                  "reason \"invalid_input\" for that submission alone")
+    type: str = Field(description="the language: \"python\" or \"cpp\" (compiled with g++ -O2, as "
+                                  "code-judge compiles); any other is answered for that submission alone")
     solution: str
     input: str | None = None
     expected_output: str | None = None
@@ -96,6 +108,10 @@ class QueueStatus(BaseModel):
     num_workers: int
 
 
+#: code-judge's languages that run here.
+CODE_JUDGE_LANGUAGES = ("python", "cpp")
+
+
 def _judge_result(sub: Submission, result: ExecResult, return_chars: int, with_output: bool) -> dict[str, Any]:
     """code-judge's result fields from ours. `reason` says only what code-judge's clients act on:
     a program that ran out of time, memory or output is a failed run (reason "" or worker_timeout),
@@ -119,11 +135,13 @@ def _judge_result(sub: Submission, result: ExecResult, return_chars: int, with_o
 
 def _judge_request(sub: Submission, settings: GatewaySettings) -> ExecRequest | str:
     """Our request for a submission, or why it cannot run."""
-    if sub.type != "python":
-        return f"type {sub.type!r} is not supported by this server: only 'python' runs here"
+    if sub.type not in CODE_JUDGE_LANGUAGES:
+        return f"type {sub.type!r} is not supported by this server: only 'python' and 'cpp' run here"
     wall = settings.code_judge_wall_s or settings.defaults.wall_s
     try:
+        cpp = sub.type == "cpp"  # compiled with code-judge's own flags (g++ -O2): the preset "plain"
         return ExecRequest(code=sub.solution, stdin=sub.input or "", deadline_s=settings.code_judge_queue_wait_s,
+                           language=Language.cpp if cpp else Language.python, preset="plain" if cpp else None,
                            limits=Limits(wall_s=min(wall, settings.caps.wall_s),
                                          output_bytes=settings.code_judge_output_bytes))
     except ValidationError as exc:
@@ -221,8 +239,8 @@ class RunCodeResponse(BaseModel):
 
     status: Literal["Success", "Failed", "SandboxError"]
     message: str
-    compile_result: None = None
-    run_result: RunResult | None
+    compile_result: RunResult | None = Field(None, description="cpp: the compilation (always there); null for python")
+    run_result: RunResult | None = Field(description="null when the code did not compile")
     executor_pod_name: str | None
     files: dict[str, str] = Field(description="fetched files: path -> base64 content")
 
@@ -230,6 +248,8 @@ class RunCodeResponse(BaseModel):
 #: Languages that run as a Python program (SandboxFusion has no "python3"; clients send it anyway).
 PYTHON_LANGUAGES = ("python", "python3")
 PYTEST = "pytest"
+#: SandboxFusion's C++ language name.
+CPP = "cpp"
 #: SandboxFusion skips input files whose name holds this (its datasets' placeholders).
 IGNORED_FILE_MARK = "IGNORE_THIS_FILE"
 _TMP_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
@@ -284,11 +304,13 @@ def _fusion_request(body: RunCodeRequest, settings: GatewaySettings) -> tuple[Ex
         code = f"{_pytest_driver()}\nrun({json.dumps(params)!r})\n"
         secret = json.dumps({"tally": pytest_run.tally, "token": pytest_run.token})
         stdin = (body.stdin or "") + secret.ljust(PYTEST_SECRET_BYTES)
+    elif body.language == CPP and body.args:
+        notes.append("args ignored: a C++ program gets none (as SandboxFusion runs it)")
     elif body.args:
         notes.append(f"args ignored: they are passed to pytest only (as SandboxFusion ignores them for "
                      f"{body.language!r})")
     request = ExecRequest(
-        code=code, stdin=stdin,
+        code=code, stdin=stdin, language=Language.cpp if body.language == CPP else Language.python,
         limits=Limits(wall_s=wall, memory_mb=memory,
                       output_bytes=min(settings.sandbox_fusion_output_bytes, caps.output_bytes)),
         files=files, fetch_files=fetch_files)
@@ -332,8 +354,21 @@ def _pytest_verdict(result: ExecResult, run: PytestRun) -> str | None:
     return None
 
 
+def _compile_result(info: CompileInfo, return_bytes: int) -> dict[str, Any]:
+    """SandboxFusion's compile_result of a C++ compile."""
+    status = "TimeLimitExceeded" if info.limit in (LimitName.cpu, LimitName.wall) else "Finished"
+    return {"status": status, "execution_time": round(info.wall_s, 6),
+            "return_code": None if status != "Finished" else 0 if info.status == "ok" else 1,
+            "stdout": "", "stderr": info.stderr[:return_bytes]}
+
+
 def _fusion_response(result: ExecResult, notes: list[str], return_bytes: int,
                      pytest_run: PytestRun | None = None) -> dict[str, Any]:
+    compiled = result.compile
+    if compiled is not None and compiled.status != "ok":  # as SandboxFusion: no run, status Failed
+        return {"status": "Failed", "message": "; ".join([*([compiled.message] if compiled.message else []), *notes]),
+                "compile_result": _compile_result(compiled, return_bytes), "run_result": None,
+                "executor_pod_name": result.worker or None, "files": {}}
     run_status = "TimeLimitExceeded" if result.status == Status.timeout else "Finished"
     return_code = None if result.status == Status.timeout else (
         -result.signal if result.signal is not None else result.exit_code)
@@ -357,7 +392,8 @@ def _fusion_response(result: ExecResult, notes: list[str], return_bytes: int,
         notes = [f"the program hit its {result.status.value.replace('_', ' ')}", *notes]
     notes += [f"could not fetch {path}: {why}" for path, why in file_errors.items()]
     return {
-        "status": status, "message": "; ".join(notes), "compile_result": None,
+        "status": status, "message": "; ".join(notes),
+        "compile_result": _compile_result(compiled, return_bytes) if compiled is not None else None,
         "run_result": {"status": run_status, "execution_time": round(result.wall_s, 6), "return_code": return_code,
                        "stdout": result.stdout[:return_bytes], "stderr": result.stderr[:return_bytes]},
         "executor_pod_name": result.worker or None, "files": files,
@@ -378,13 +414,13 @@ def sandbox_fusion_router(gateway: Gateway) -> APIRouter:
                 check_path(path)
         except InvalidRequest as exc:
             raise ApiError(422, str(exc)) from None
-        if body.language not in (*PYTHON_LANGUAGES, PYTEST):
+        if body.language not in (*PYTHON_LANGUAGES, PYTEST, CPP):
             # `Failed`, not `SandboxError`: the sandbox-fusion client retries a SandboxError (and any
             # non-200) with backoff, ~17 s for an answer that cannot change. `Failed` with neither a
             # compile nor a run result is what its summary reads as a plain failure; `message` says why.
             return JSONResponse({"status": "Failed", "compile_result": None, "run_result": None,
                                  "message": f"language {body.language!r} is not supported by this server: "
-                                            "only python and pytest run here", "executor_pod_name": None,
+                                            "only python, pytest and cpp run here", "executor_pod_name": None,
                                  "files": {}})
         try:
             call, notes, pytest_run = _fusion_request(body, settings)

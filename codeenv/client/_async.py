@@ -182,14 +182,17 @@ class AsyncClient:
     async def judge(self, code: str, tests: Sequence[Mapping[str, Any]], *, fn_name: str | None = None,
                     compare: str = "lines", float_tol: float = 1e-6, stop_on_failure: bool = False,
                     limits: Mapping[str, Any] | None = None, total_wall_s: float | None = None,
-                    id: str | None = None, deadline_s: float | None = None, language: str = "python") -> JudgeResult:
+                    id: str | None = None, deadline_s: float | None = None, language: str = "python",
+                    preset: str | None = None, std: str | None = None) -> JudgeResult:
         """Run a submission against a problem's tests in one call (micro-batched like run()); see
         /v1/judge. `tests`: {"stdin", "expected_stdout"} each, or {"args", "expected"} with `fn_name`.
+        `language` "cpp": C++ compiled once with `preset` (codeforces, ioi or plain) and `std`.
         A bad request raises pydantic's ValidationError here, or comes back `rejected`."""
         request = JudgeRequest.model_validate({
             "code": code, "language": language, "tests": list(tests), "fn_name": fn_name, "compare": compare,
             "float_tol": float_tol, "stop_on_failure": stop_on_failure, "limits": dict(limits or {}),
-            "total_wall_s": total_wall_s, "id": id or uuid.uuid4().hex, "deadline_s": deadline_s})
+            "total_wall_s": total_wall_s, "id": id or uuid.uuid4().hex, "deadline_s": deadline_s,
+            "preset": preset, "std": std})
         return JudgeResult.from_call(await self.submit(request.to_call()))
 
     async def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:

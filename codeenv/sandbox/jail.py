@@ -171,7 +171,8 @@ def jail_config(
         rlimit_fsize=settings.caps.file_size_mb,
         rlimit_nofile=max(1024, settings.caps.open_files),
         rlimit_nproc_type=RLimitType.HARD,  # the slot's pids cgroup is the process cap
-        rlimit_stack=8,
+        rlimit_stack_type=RLimitType.INF,  # the zygote sets its soft limit to 8 MB; a compiled
+        # program's test raises it to its memory limit (child.exec_binary)
         # Locked memory and POSIX queue bytes are per-user counters too (see JAIL_SIGPENDING). nsjail's
         # type for these three defaults to SOFT (inherit ours, ignoring the value): VALUE sets them.
         rlimit_memlock=0,

@@ -25,6 +25,7 @@ from codeenv.models import (
     JudgeOutcome,
     JudgeSpec,
     JudgeTest,
+    Language,
     LimitName,
     LimitValues,
     TestResult,
@@ -62,7 +63,8 @@ async def _alone(zygote: CallJail, code: bytes, test: JudgeTest, spec: JudgeSpec
     submission's process: alone, its parent is the jail's init, which no signal reaches)."""
     args, stdin = _test_input(test, spec)
     out = await zygote.run(code, args if spec.fn_name is not None else stdin, limits,
-                           call_function=spec.fn_name, report_bytes=report_bytes(limits))
+                           call_function=spec.fn_name, report_bytes=report_bytes(limits),
+                           binary=spec.language is Language.cpp)
     exited = out.exited
     observed = TestOutcome(
         done=exited, stdout=out.stdout, stderr=out.stderr, output_overflow=out.output_overflow,
@@ -100,7 +102,7 @@ class _Judging:
         # the expected answer), except with stop_on_failure, where a failure decides what runs next.
         self.observations: dict[int, TestOutcome] = {}
         self.outcome = JudgeOutcome(total=len(self.tests))
-        self.mode = "stdin" if spec.fn_name is None else "function"
+        self.mode = "binary" if spec.language is Language.cpp else "stdin" if spec.fn_name is None else "function"
         self.index = 0
         self.sub: Submission | None = None
         self.alone = False  # the test at `index` ended the submission's process: run it again alone

@@ -30,10 +30,21 @@ from pathlib import Path
 
 from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
-from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, LimitValues, Status
+from codeenv.models import (
+    CompileInfo,
+    ExecRequest,
+    ExecResult,
+    JudgeOutcome,
+    Language,
+    LimitValues,
+    Status,
+    TestResult,
+    TestStatus,
+)
 from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
-from codeenv.sandbox.cgroups import CgroupTree, owner_alive
+from codeenv.sandbox.cgroups import CgroupTree, JailCgroup, owner_alive
+from codeenv.sandbox.compiler import Compiled, Compiler
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.jail import JAIL_PACKAGE, ZYGOTE_PROC, check_traversable, nsjail_binary
 from codeenv.sandbox.judge import judge
@@ -166,6 +177,8 @@ class SlotPool:
         self.uid_base = self.settings.uid_base or 0
         self._uids: UidBlock | None = None
         self.sessions: SessionManager | None = None
+        self.compiler: Compiler | None = None
+        self._compile_groups: dict[int, JailCgroup] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -237,6 +250,7 @@ class SlotPool:
             raise
         for slot in self.slots:
             self._free.release(slot)
+        self.compiler = Compiler(settings, self._runtime)
         self.sessions = SessionManager(
             settings, self.image, self._tree, self.uid_base + SESSION_ROOT_UIDS, self.uid_base + FAMILY_UIDS, nsjail,
             self._runtime, zygote_dir, self.worker,
@@ -277,6 +291,9 @@ class SlotPool:
         for slot in self.slots:
             for z in slot.zygotes.values():
                 await asyncio.to_thread(z.cgroup.remove)
+        for group in self._compile_groups.values():
+            await asyncio.to_thread(group.remove)
+        self._compile_groups = {}
         if self._tree is not None:
             self._tree.remove()
         if self._runtime is not None:
@@ -311,6 +328,13 @@ class SlotPool:
         else:
             admitted = admit(request, self.settings)
             code, stdin, limits = admitted.code, admitted.stdin, admitted.limits
+        if request.language is Language.cpp:
+            assert self.compiler is not None
+            try:
+                self.compiler.flags(request.preset, request.std)  # the toolchain is here
+            except ImageError as exc:
+                raise InvalidRequest(f"language cpp: {exc}") from None
+            return code, stdin, limits, self._lightest()
         if request.profile is not None:
             try:
                 profile = self.image.profile(request.profile)
@@ -322,6 +346,11 @@ class SlotPool:
         else:
             profile = choose_profile(code, self.profiles)
         return code, stdin, limits, profile
+
+    def _lightest(self) -> Profile:
+        """The profile a compiled program's jail runs in: any serves (the binary is static); the
+        lightest zygote is the cheapest to fork from."""
+        return min(self.profiles, key=lambda p: (len(p.preload), p.name))
 
     async def run(self, request: ExecRequest, *, slot_index: int | None = None,
                   on_dispatch: Callable[[], None] | None = None,
@@ -369,15 +398,21 @@ class SlotPool:
                         await slot.recycle(zygote, "its zygote had died")
                     if request.deadline_s is not None and time.monotonic() - queued > request.deadline_s:
                         raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
+                    compiled, program = None, code
+                    if request.language is Language.cpp:  # compiled again only if the slot changes
+                        compiled = await self._compile(slot, code, request)
+                        program = compiled.binary or b""
                     # Always pre-fork the next child: a child forked on demand must wait for the
                     # worker to raise its OOM score (a round trip per call), which costs more at
                     # saturation than handing the call to a spare (measured: benchmarks/README.md).
-                    if request.judge is not None:
-                        judged, problem = await self._judge(slot, zygote, code, request, limits)
+                    if compiled is not None and compiled.binary is None:
+                        judged = None  # answered below: nothing ran in the jail
+                    elif request.judge is not None:
+                        judged, problem = await self._judge(slot, zygote, program, request, limits)
                     else:
                         judged = None
-                        outcome = await zygote.run(code, stdin, limits, prefork_next=True, files=files, fetch=fetch,
-                                                   display_last=request.display_last)
+                        outcome = await zygote.run(program, stdin, limits, prefork_next=True, files=files, fetch=fetch,
+                                                   display_last=request.display_last, binary=compiled is not None)
             except _DeadlinePassed:
                 self._give_back(slot, zygote)  # nothing ran: the slot goes back as it is
                 return self._finish(request, ExecResult(
@@ -402,12 +437,21 @@ class SlotPool:
             except BaseException:
                 self._release(slot, zygote, "the call was cancelled")
                 raise
+            if compiled is not None and compiled.binary is None:
+                self._give_back(slot, zygote)
+                return self._finish(request, _not_compiled(request, compiled.info, time.monotonic() - queued - queue_s),
+                                    slot, profile, queue_s)
             if judged is not None:  # its jail is checked already
                 self._release_checked(slot, zygote, problem)
+                if compiled is not None:
+                    judged.compile = compiled.info
                 return self._finish(request, self._judged(judged, time.monotonic() - queued - queue_s), slot,
                                     profile, queue_s)
             self._release(slot, zygote, None if outcome.exited is not None else "the call ended abnormally")
-            return self._finish(request, _call_result(outcome, limits, fetch), slot, profile, queue_s)
+            result = _call_result(outcome, limits, fetch)
+            if compiled is not None:
+                result.compile = compiled.info
+            return self._finish(request, result, slot, profile, queue_s)
         return self._finish(request, ExecResult(
             status=Status.internal_error, started=False,
             message=f"no slot could start the call after {MAX_DISPATCH} attempts"), None, profile, 0.0)
@@ -430,6 +474,15 @@ class SlotPool:
                 return await self._free.acquire(slot_index)
         except TimeoutError:
             return None
+
+    async def _compile(self, slot: Slot, source: bytes, request: ExecRequest) -> Compiled:
+        """`source` compiled for this slot's call: from the cache, or in a compile jail running as the
+        slot's uid in a cgroup of the slot's own."""
+        assert self.compiler is not None and self._tree is not None
+        group = self._compile_groups.get(slot.index)
+        if group is None:
+            group = self._compile_groups[slot.index] = self._tree.group(f"slot{slot.index}-compile")
+        return await self.compiler.compile(source, request.preset, request.std, self.uid_base + slot.index, group)
 
     async def _judge(self, slot: Slot, zygote: CallJail, code: bytes, request: ExecRequest,
                      limits: LimitValues) -> tuple[JudgeOutcome, str | None]:
@@ -598,3 +651,15 @@ def _raise_open_files() -> None:
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _not_compiled(request: ExecRequest, info: CompileInfo, wall_s: float) -> ExecResult:
+    """The result of a C++ call whose code did not compile: nothing ran."""
+    message = f"compile error: {info.message or 'the code does not compile'}"
+    if request.judge is None:
+        return ExecResult(status=Status.error, started=False, compile=info, stderr=info.stderr, message=message,
+                          wall_s=round(wall_s, 6))
+    tests = [TestResult(status=TestStatus.skipped, message="not run: the code does not compile")
+             for _ in request.judge.tests]
+    judged = JudgeOutcome(total=len(tests), tests=tests, compile=info)
+    return ExecResult(status=Status.ok, started=False, judge=judged, compile=info, wall_s=round(wall_s, 6))

@@ -112,10 +112,25 @@ def is_toolchain(name: str) -> bool:
     return any((d / name / "toolchain.toml").is_file() for d in search_dirs())
 
 
+def _spec_digest(raw: bytes) -> str:
+    return hashlib.sha256(b"toolchain-builder-%d\0" % BUILDER_VERSION + raw).hexdigest()
+
+
+def built_toolchain(name: str, images_dir: Path) -> Toolchain:
+    """The toolchain `name` as built from its current declaration, without building it (ImageError
+    saying how to build it when it is not)."""
+    spec, raw = find_toolchain_spec(name)
+    built = _current(images_dir, spec.name, _spec_digest(raw))
+    if built is None:
+        raise ImageError(f"the toolchain {spec.name} is not built on this worker (or its declaration changed "
+                         f"since): run `codeenv image build {spec.name}` on its host")
+    return built
+
+
 def ensure_toolchain(name: str, images_dir: Path, progress: Progress | None = None) -> Toolchain:
     """The built toolchain `name`, building it first if its declaration changed since the last build."""
     spec, raw = find_toolchain_spec(name)
-    digest = hashlib.sha256(b"toolchain-builder-%d\0" % BUILDER_VERSION + raw).hexdigest()
+    digest = _spec_digest(raw)
     built = _current(images_dir, spec.name, digest)
     if built is not None:
         return built

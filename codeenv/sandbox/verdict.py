@@ -24,6 +24,7 @@ from codeenv.models import (
     ExecResult,
     JudgeSpec,
     JudgeTest,
+    Language,
     LimitName,
     LimitValues,
     Status,
@@ -245,6 +246,9 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
         return fail(TestStatus.killed, message=printable(t.lost or "the test ended abnormally"))
     if result.signal is not None:
         limit = LimitName.pids if t.pids_limit_hit else None
+        if spec.language is Language.cpp and result.signal != signals.SIGKILL:  # a compiled program's crash
+            return fail(TestStatus.error, limit, f"crashed with signal {result.signal} "
+                                                 f"({signals.strsignal(result.signal)})")
         return fail(TestStatus.killed, limit, f"killed by signal {result.signal}")
     if result.exit_code:
         return fail(TestStatus.error, message=f"exit code {result.exit_code}")

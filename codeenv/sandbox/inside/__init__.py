@@ -81,10 +81,19 @@ def _warm_up(extra: str | None) -> None:
                 break
 
 
+#: The stack limit of the zygote and of what it forks, but compiled programs.
+ZYGOTE_STACK = 8 << 20
+
+
 def main() -> NoReturn:
     config = json.loads(sys.argv[1])
     if config.get("sigpending") is not None:  # a per-user counter charged to host root: see jail.py
         resource.setrlimit(resource.RLIMIT_SIGPENDING, (config["sigpending"],) * 2)
+    # The jail's stack limit is unlimited so that a compiled program's test may raise it (to its
+    # memory limit); everything else keeps the usual 8 MB.
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    resource.setrlimit(resource.RLIMIT_STACK, (ZYGOTE_STACK if hard == resource.RLIM_INFINITY
+                                               else min(ZYGOTE_STACK, hard), hard))
     proc.install_abi_filter(config.get("abi_filter"))
     if config.get("drop_caps"):  # a call jail's zygote keeps capabilities; its children do not
         proc.children_drop_caps(config.get("child_filter"))

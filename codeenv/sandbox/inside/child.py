@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import random
     import types
     from collections.abc import Callable
-    from typing import Any, Literal
+    from typing import Any, Literal, NoReturn
 
 #: The program's file name in tracebacks and in an error's line (a cell's is "<cell N>").
 FILENAME = "main.py"
@@ -334,8 +334,38 @@ def run(program: Callable[[], None], report: mmap.mmap | None, filename: str = F
     return status
 
 
+def exec_binary(binary_fd: int, stack_bytes: int) -> NoReturn:
+    """Replace this process with the compiled program in the memfd `binary_fd`, its stack limit raised
+    to `stack_bytes` (judges run C++ with the stack as large as the memory: deep recursion needs it);
+    never returns (126 if the kernel refuses the exec, with why on stderr)."""
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    soft = stack_bytes if hard == resource.RLIM_INFINITY else min(stack_bytes, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
+        os.execve(binary_fd, ["solution"], dict(os.environ))
+    except OSError as exc:
+        try:
+            os.write(2, f"the compiled program could not start: {exc}\n".encode())
+        except OSError:
+            pass
+    hard_exit(126)
+
+
+def run_binary(fds: list[int], limits: dict[str, Any], pre: Preloaded) -> NoReturn:
+    """A call's child that runs a compiled program with the call's stdin (and files); never returns."""
+    with Setup(fds) as setup:
+        binary_fd = fds[CallFd.CODE]
+        setup.write_files(pre.workdir)
+        setup.install_stdio()
+        setup.keep_only(binary_fd)
+        setup.limit(limits, cpu_slack=1)
+    exec_binary(binary_fd, limits["stack_bytes"])
+
+
 def run_call(fds: list[int], limits: dict[str, Any], pre: Preloaded, main: types.ModuleType | None) -> None:
     """A call's child (`main`: as a spare prepared it); never returns."""
+    if limits.get("binary"):
+        run_binary(fds, limits, pre)
     fn_name: str | None = None
     args: Any = None
     stdin_fd = None

@@ -16,7 +16,7 @@ import sys
 import time
 
 from . import child, proc
-from .protocol import JUDGE_FUNCTION, JUDGE_STDIN, CallFd, Judge
+from .protocol import JUDGE_BINARY, JUDGE_FUNCTION, JUDGE_STDIN, CallFd, Judge
 from .workdir import Workdir
 
 TYPE_CHECKING = False
@@ -28,11 +28,14 @@ if TYPE_CHECKING:
 class Submission:
     """The submission's process: its compiled code, its prepared __main__, how its tests run."""
 
-    def __init__(self, sock: socket.socket, main: types.ModuleType, compiled: types.CodeType, mode: str,
-                 fn_name: str | None, workdir: Workdir, cleanup_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, main: types.ModuleType | None, compiled: types.CodeType | None,
+                 mode: str, fn_name: str | None, workdir: Workdir, cleanup_timeout_s: float,
+                 binary_fd: int | None = None, stack_bytes: int = 0) -> None:
         self.sock = sock
         self.main = main
         self.compiled = compiled
+        self.binary_fd = binary_fd  # a compiled program's (mode binary): each test execs it
+        self.stack_bytes = stack_bytes
         self.mode = mode
         self.fn_name = fn_name
         self.workdir = workdir
@@ -108,6 +111,13 @@ class Submission:
     def test_child(self, fds: list[int], msg: dict[str, Any]) -> NoReturn:
         """One test, forked from the submission's process; never returns."""
         args: Any = None
+        if self.binary_fd is not None:
+            with child.Setup(fds) as setup:
+                setup.install_stdio()
+                setup.keep_only(self.binary_fd)
+                setup.limit_cpu_below_hard(msg["cpu_s"])
+            child.exec_binary(self.binary_fd, self.stack_bytes)
+        assert self.main is not None
         with child.Setup(fds) as setup:
             report = setup.open_report()
             if self.mode != JUDGE_STDIN:
@@ -116,6 +126,7 @@ class Submission:
             setup.keep_only()
             setup.limit_cpu_below_hard(msg["cpu_s"])
         del setup, fds
+        assert self.compiled is not None
         namespace, compiled, mode, fn_name = self.main.__dict__, self.compiled, self.mode, self.fn_name
 
         def program() -> None:
@@ -156,6 +167,8 @@ def serve_submission(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, 
     the code once (for function-call tests it also runs its top-level code once), then forks one
     child per test (never returns)."""
     mode, fn_name = msg["judge"], msg.get("fn_name")
+    if mode == JUDGE_BINARY:
+        serve_binary(fds, msg, workdir, cleanup_timeout_s)
     with child.Setup(fds) as setup:
         if main is None:
             main = child.prepare(pre)
@@ -188,6 +201,24 @@ def serve_submission(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, 
         if why is not None:
             proc.send(sock, {"op": Judge.PREPARED, "unshared": why})
             proc.hard_exit(0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    proc.send(sock, {"op": Judge.PREPARED, "cpu_s": usage.ru_utime + usage.ru_stime})
+    submission.serve()
+
+
+def serve_binary(fds: list[int], msg: dict[str, Any], workdir: Workdir, cleanup_timeout_s: float) -> NoReturn:
+    """A judged call of a compiled program (the code memfd holds it, sealed): nothing to prepare; one
+    child per test execs it (never returns)."""
+    with child.Setup(fds) as setup:
+        binary_fd, sock_fd = fds[CallFd.CODE], fds[CallFd.JUDGE]
+        setup.install_stdio()
+        setup.keep_only(sock_fd, binary_fd)
+        setup.limit(msg, cpu_slack=2)
+        proc.set_child_subreaper()
+        sock = socket.socket(fileno=sock_fd)
+    del setup, fds
+    submission = Submission(sock, None, None, JUDGE_BINARY, None, workdir, cleanup_timeout_s,
+                            binary_fd=binary_fd, stack_bytes=msg["stack_bytes"])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     proc.send(sock, {"op": Judge.PREPARED, "cpu_s": usage.ru_utime + usage.ru_stime})
     submission.serve()

@@ -217,7 +217,9 @@ ONE_FD: Final = 1
 
 #: Judged calls served by a submission's process (a judge channel); "function_single" is one
 #: function-call test run as a plain call (its arguments in the stdin memfd, its value reported).
-JUDGE_SERVED: Final = ("stdin", "function", "function_inline")
+JUDGE_SERVED: Final = ("stdin", "function", "function_inline", "binary")
+#: A compiled program (static, in the code memfd): each test execs it with stdin.
+JUDGE_BINARY: Final = "binary"
 JUDGE_FUNCTION: Final = "function"
 JUDGE_FUNCTION_INLINE: Final = "function_inline"
 JUDGE_FUNCTION_SINGLE: Final = "function_single"

@@ -132,7 +132,7 @@ class CallJail(JailProcess):
     async def run(self, code: bytes, stdin: bytes, limits: LimitValues, prefork_next: bool = True,
                   files: list[tuple[str, bytes]] | None = None, fetch: list[str] | None = None,
                   call_function: str | None = None, report_bytes: int = REPORT_BYTES,
-                  display_last: bool = False) -> Outcome:
+                  display_last: bool = False, binary: bool = False) -> Outcome:
         """Run one call. Raises ZygoteDied(started=False) only if it provably never started.
 
         `files` are written into the work dir before the program runs (by the child), `fetch`
@@ -140,6 +140,8 @@ class CallJail(JailProcess):
         With `call_function`, the program's top-level code is followed by a call of that function
         (or method of class Solution) with the JSON arguments in `stdin`; its value is reported.
         With `display_last`, the repr of the last top-level expression is reported (`value`).
+        With `binary`, `code` is a static executable (a compiled C++ program), exec'd with `stdin` and
+        a stack limit as large as the memory limit.
         """
         if self.dead:
             raise ZygoteDied(f"zygote {self.name} is not running", started=False)
@@ -169,6 +171,8 @@ class CallJail(JailProcess):
                     msg.update(judge=JUDGE_FUNCTION_SINGLE, fn_name=call_function)
                 if display_last:
                     msg["display_last"] = True
+                if binary:
+                    msg.update(binary=True, stack_bytes=limits.memory_mb << 20)
                 self.send(msg, call.theirs)
             finally:
                 call.close_theirs()

@@ -252,7 +252,7 @@ async def prepare(jail: JudgeJail, code: bytes, mode: str, fn_name: str | None, 
             jail.send({"op": Ctl.RUN, "seq": seq, "wall_s": total_wall_s,
                        "cpu_s": max(1, int(limits.cpu_s + 0.999)), "fsize_bytes": limits.file_size_mb << 20,
                        "nofile": limits.open_files, "spare": jail.settings.prefork, "fetch": False,
-                       "judge": mode, "fn_name": fn_name}, call.theirs)
+                       "judge": mode, "fn_name": fn_name, "stack_bytes": limits.memory_mb << 20}, call.theirs)
         finally:
             call.close_theirs()
         sub.drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, lambda: None)
