@@ -76,8 +76,8 @@ async def test_sandbox_fusion_as_verl_sends_it(server: str) -> None:
         assert r.status_code == 200 and body["status"] == "Success" and body["run_result"]["stdout"] == "None\n"
         assert "run_timeout 500s clamped to the server's cap of 120s" in body["message"]
         assert (await c.post("/run_code", json={"code": "print(3)"})).json()["run_result"]["stdout"] == "3\n"
-        cpp = (await c.post("/run_code", json={"code": "int main(){}", "language": "cpp"})).json()
-        assert cpp["status"] == "Failed" and "only python and pytest run here" in cpp["message"]
+        go = (await c.post("/run_code", json={"code": "package main", "language": "go"})).json()
+        assert go["status"] == "Failed" and "only python, pytest and cpp run here" in go["message"]
         assert (await c.get("/v1/ping")).json() == "pong"
         for bad in ({"code": 1}, {"code": "1", "fetch_files": ["../x"]}, {"code": "1", "files": {"/etc/x": ""}}):
             r = await c.post("/run_code", json=bad)
@@ -88,10 +88,10 @@ async def test_sandbox_fusion_client_unsupported_language_is_not_retried(server:
     """The package's client retries a SandboxError and any non-200 answer with backoff (5 attempts,
     ~17 s): an unsupported language must come back at once, as a failure that says why."""
     start = time.monotonic()
-    resp = await asyncio.to_thread(run_code, RunCodeRequest(language="cpp", code="int main() { return 0; }"),
+    resp = await asyncio.to_thread(run_code, RunCodeRequest(language="rust", code="fn main() {}"),
                                    endpoint=server)  # the client's own retry policy: max_attempts=5
     elapsed = time.monotonic() - start
-    assert resp.status == "Failed" and "language 'cpp' is not supported" in resp.message, resp
+    assert resp.status == "Failed" and "language 'rust' is not supported" in resp.message, resp
     assert resp.compile_result is None and resp.run_result is None
     assert summary_run_code_result(resp, SummaryMapping()) == SummaryMapping().Failed
     assert elapsed < 1.0, f"the client took {elapsed:.1f}s: it retried (its first retry waits 1-2 s)"
@@ -312,8 +312,8 @@ async def test_code_judge_judge_and_single_endpoints(server: str) -> None:
             {"type": "python", "solution": "print(6 * 9)", "expected_output": "42"}]})).json()["results"]
         assert right["success"] and right["run_success"] and "stdout" not in right
         assert not wrong["success"] and wrong["run_success"] and wrong["reason"] == ""
-        cpp = (await c.post("/run", json={"type": "cpp", "solution": "int main(){}"})).json()
-        assert cpp["reason"] == "invalid_input" and not cpp["run_success"] and "only 'python'" in cpp["stderr"]
+        go = (await c.post("/run", json={"type": "go", "solution": "package main"})).json()
+        assert go["reason"] == "invalid_input" and not go["run_success"] and "only 'python' and 'cpp'" in go["stderr"]
         assert (await c.post("/run/batch", json={"type": "batch", "submissions": []})).status_code == 422
         cobol = (await c.post("/run", json={"type": "cobol", "solution": "x"})).json()
         assert cobol["reason"] == "invalid_input" and "type 'cobol' is not supported" in cobol["stderr"]

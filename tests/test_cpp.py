@@ -3,21 +3,26 @@ jail; every verdict, hostile compiles answered as a compile error or a limit, an
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import shutil
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
+from sandbox_fusion import RunCodeRequest, SummaryMapping, run_code, summary_run_code_result
 
+from codeenv import SlotPool
 from codeenv.models import LimitName
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.compiler import Compiler
 from codeenv.sandbox.toolchain import ensure_toolchain
-from codeenv.settings import SandboxSettings
-from tests.conftest import GatewayClient, need_root
+from codeenv.settings import GatewaySettings, SandboxSettings
+from tests.conftest import GatewayClient, need_root, pool_app, serving
 
 pytestmark = pytest.mark.jail
 
@@ -206,3 +211,63 @@ async def test_a_big_uninitialised_array_compiles_and_its_memory_is_the_tests(ap
     assert statuses(result) == ["memory"], result
     result = await judge(api, code, [("", "1")], limits={"memory_mb": 1200, "cpu_s": 5})
     assert statuses(result) == ["passed"], result
+
+
+# --- the wires of SandboxFusion (its own client) and code-judge, with cpp -----------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(toolchain: None, pool: SlotPool) -> AsyncIterator[str]:
+    async with serving(pool_app(pool, GatewaySettings(slots=2))) as url:
+        yield url
+
+
+async def fusion(server: str, **fields: Any) -> Any:
+    return await asyncio.to_thread(run_code, RunCodeRequest(language="cpp", **fields), endpoint=server,
+                                   max_attempts=1)
+
+
+async def test_the_sandbox_fusion_client_runs_cpp(server: str) -> None:
+    ok = await fusion(server, code=SUM, stdin="1 2\n")
+    assert (ok.status, ok.run_result.status, ok.run_result.return_code, ok.run_result.stdout) == (
+        "Success", "Finished", 0, "3\n"), ok
+    assert ok.compile_result is not None and ok.compile_result.status == "Finished"
+    assert ok.compile_result.return_code == 0
+    bad = await fusion(server, code="int main() { return nope; }")
+    assert bad.status == "Failed" and bad.run_result is None, bad
+    assert bad.compile_result.return_code == 1 and "nope" in bad.compile_result.stderr
+    assert summary_run_code_result(bad, SummaryMapping()) == SummaryMapping().Failed
+    crash = await fusion(server, code="int main() { volatile int *p = 0; return *p; }")
+    assert crash.status == "Failed" and crash.run_result.return_code == -11, crash
+    slow = await fusion(server, code="int main() { for (;;); }", run_timeout=1)
+    assert (slow.status, slow.run_result.status) == ("Failed", "TimeLimitExceeded"), slow
+    files = await fusion(server, code="#include <fstream>\nint main() { std::ifstream f(\"in.txt\"); int x; f >> x;"
+                                      " std::ofstream(\"out.txt\") << x * 2; }",
+                         files={"in.txt": base64.b64encode(b"21").decode()}, fetch_files=["out.txt"])
+    assert files.status == "Success" and base64.b64decode(files.files["out.txt"]) == b"42", files
+
+
+async def test_one_submission_as_verl_sends_its_tests_reaches_the_cache(server: str) -> None:
+    """verl's per-test pattern: the same source with another stdin, one /run_code each."""
+    code = SUM + f"// verl {time.time_ns()}\n"
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        bodies = [(await c.post("/run_code", json={"code": code, "language": "cpp", "stdin": f"{i} {i}",
+                                                   "compile_timeout": 10, "run_timeout": 10,
+                                                   "memory_limit_MB": 1024})).json() for i in range(4)]
+    assert [b["run_result"]["stdout"] for b in bodies] == [f"{2 * i}\n" for i in range(4)]
+    assert bodies[0]["compile_result"]["execution_time"] > 0  # compiled once
+    assert all(b["compile_result"]["execution_time"] == 0 for b in bodies[1:]), bodies  # then cached
+
+
+async def test_code_judge_runs_cpp(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        r = (await c.post("/run", json={"type": "cpp", "solution": SUM, "input": "2 3", "sub_id": "c1"})).json()
+        assert (r["sub_id"], r["success"], r["run_success"], r["stdout"], r["reason"]) == ("c1", True, True, "5\n", "")
+        right, wrong, broken = (await c.post("/judge/batch", json={"type": "batch", "submissions": [
+            {"type": "cpp", "solution": SUM, "input": "40 2", "expected_output": "42\n"},
+            {"type": "cpp", "solution": SUM, "input": "40 3", "expected_output": "42"},
+            {"type": "cpp", "solution": "int main() { syntax }"}]})).json()["results"]
+        assert right["success"] and not wrong["success"] and wrong["run_success"]
+        assert not broken["run_success"] and broken["reason"] == ""
+        compile_error = (await c.post("/run", json={"type": "cpp", "solution": "int main() { syntax }"})).json()
+        assert not compile_error["run_success"] and "error" in compile_error["stderr"], compile_error
