@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -119,6 +120,17 @@ async def pool() -> AsyncIterator[SlotPool]:
     need_root("the session's slot pool")
     async with SlotPool(SandboxSettings(slots=SLOTS)) as p:
         yield p
+
+
+@pytest.fixture(scope="session")
+def cpp_toolchain() -> None:
+    """The C++ toolchain, built on this host if it is not yet (the pool finds it when a call needs it)."""
+    need_root("the toolchain's build and its compile jail")
+    if shutil.which("apt-get") is None:
+        pytest.skip("no apt-get: the C++ toolchain is built from Debian's packages")
+    from codeenv.sandbox.toolchain import ensure_toolchain
+
+    ensure_toolchain(SandboxSettings().cpp_toolchain, SandboxSettings().images_dir)
 
 
 @pytest.fixture

@@ -46,6 +46,8 @@ class Hack:
     asserts: str = ""
     #: forgeable by design on this path: why, and what to use instead (the verdict is the forgery's)
     by_design: str | None = None
+    #: "cpp": C++ (on judge_stdin, run_code and code_judge)
+    language: str = "python"
 
 
 # --- the problems the cases attack -------------------------------------------------------------------
@@ -90,7 +92,47 @@ def _even(body: str, top: str = "") -> str:
     return f"{top}\ndef is_even(n):\n{body}\n"
 
 
+#: C++ submissions' head: what an honest one and the hacks below share.
+CPP_HEAD = "#include <bits/stdc++.h>\n#include <signal.h>\n#include <unistd.h>\nusing namespace std;\n"
+CPP_ADD = "long long a, b; cin >> a >> b; cout << a + b << endl;"
+
+
+def _cpp(body: str, before: str = "") -> str:
+    return f"{CPP_HEAD}{before}\nint main() {{\n{body}\n}}\n"
+
+
 HACKS: list[Hack] = [
+    # --- C++: /v1/judge, SandboxFusion's /run_code and code-judge ---------------------------------------
+    Hack("honest add", "judge_stdin", _cpp(CPP_ADD), "3/3 passed", language="cpp"),
+    Hack("exit(0) before printing", "judge_stdin", _cpp("exit(0);"), "0/3 failed", language="cpp"),
+    Hack("_exit(0) from a static constructor", "judge_stdin", _cpp("", "struct Q { Q() { _exit(0); } } q;"),
+         "0/3 failed", language="cpp"),
+    Hack("kills its parent, then answers", "judge_stdin", _cpp("kill(getppid(), SIGKILL);\n" + CPP_ADD),
+         "3/3 passed", language="cpp"),
+    Hack("kills every process it can reach, then answers", "judge_stdin",
+         _cpp("kill(-1, SIGKILL);\n" + CPP_ADD), "3/3 passed", language="cpp"),
+    Hack("kills every process it can reach and prints nothing", "judge_stdin", _cpp("kill(-1, SIGKILL);"),
+         "0/3 failed", language="cpp"),
+    Hack("printing every plausible answer", "judge_stdin", _cpp("for (int i = 0; i < 100; i++) cout << i << endl;"),
+         "0/3 failed", language="cpp"),
+    Hack("reads its environment, /proc/self and the work dir", "judge_stdin",
+         _cpp("for (const char* p : {\"/proc/self/environ\", \"/proc/self/cmdline\", \"/proc/1/environ\", "
+              "\"/proc/self/fd/3\"}) { ifstream f(p); cout << f.rdbuf(); }\n"
+              "system(\"ls -la /work /tmp; cat /work/* /tmp/*\");"), "0/3 failed", language="cpp"),
+    Hack("#include of the host's files", "judge_stdin", _cpp(CPP_ADD, "#include </etc/passwd>"), "0/3 compile_error",
+         language="cpp"),
+    Hack("#include of /dev/stdin", "judge_stdin", _cpp(CPP_ADD, "#include </dev/stdin>"), "0/3 compile_error",
+         language="cpp"),
+    Hack("writes SandboxFusion's success answer and exits 0", "run_code",
+         _cpp('cout << "{\\"status\\": \\"Success\\"}" << endl; kill(getpid(), SIGSEGV);'), "Failed", language="cpp"),
+    Hack("kills every process it can reach", "run_code", _cpp("kill(-1, SIGKILL); return 1;"), "Failed",
+         language="cpp"),
+    Hack("a compile error", "run_code", _cpp("return undeclared;"), "Failed", language="cpp"),
+    Hack("honest", "code_judge", _cpp(CPP_ADD), "success", tests=[{"stdin": "20 22", "expected_stdout": "42"}],
+         language="cpp"),
+    Hack("kills its parent", "code_judge", _cpp("kill(getppid(), SIGKILL); cout << 42 << endl; return 1;"),
+         "fail", tests=[{"stdin": "20 22", "expected_stdout": "42"}], language="cpp"),
+
     # --- /v1/judge, function-call tests ----------------------------------------------------------------
     Hack("honest is_even", "judge_function", _even("    return n % 2 == 0"), "10/10 passed"),
     Hack("an object whose __eq__ is always true", "judge_function",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,9 +19,8 @@ from codeenv import SlotPool
 from codeenv.models import LimitName
 from codeenv.sandbox.cgroups import CgroupTree
 from codeenv.sandbox.compiler import Compiler
-from codeenv.sandbox.toolchain import ensure_toolchain
 from codeenv.settings import GatewaySettings, SandboxSettings
-from tests.conftest import GatewayClient, need_root, pool_app, serving
+from tests.conftest import GatewayClient, pool_app, serving
 
 pytestmark = pytest.mark.jail
 
@@ -33,11 +31,8 @@ int main() { long long a, b; cin >> a >> b; cout << a + b << "\\n"; }
 
 
 @pytest.fixture(scope="module")
-def toolchain() -> None:
-    need_root("the toolchain's build and its compile jail")
-    if shutil.which("apt-get") is None:
-        pytest.skip("no apt-get: the toolchain is built from Debian's packages")
-    ensure_toolchain("cpp-gcc12", SandboxSettings().images_dir)
+def toolchain(cpp_toolchain: None) -> None:
+    """(The session's, built if needed.)"""
 
 
 @pytest_asyncio.fixture

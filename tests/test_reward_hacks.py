@@ -43,7 +43,7 @@ SERVICE_FAULTS = {"internal_error", "overloaded", "rejected", "SandboxError"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def server(pool: SlotPool) -> AsyncIterator[str]:
+async def server(pool: SlotPool, cpp_toolchain: None) -> AsyncIterator[str]:
     async with serving(pool_app(pool, judge_max_tests=64, judge_max_bytes=8 << 20, max_body_bytes=16 << 20)) as url:
         yield url
 
@@ -56,7 +56,7 @@ async def post(c: httpx.AsyncClient, path: str, body: Any) -> Any:
 
 def judge_body(hack: Hack) -> dict[str, Any]:
     function = hack.path == "judge_function"
-    body: dict[str, Any] = {"code": hack.code, "compare": hack.compare,
+    body: dict[str, Any] = {"code": hack.code, "compare": hack.compare, "language": hack.language,
                             "tests": hack.tests or (EVEN_TESTS if function else ADD_TESTS)}
     if function:
         body["fn_name"] = hack.fn_name or "is_even"
@@ -74,13 +74,14 @@ async def verdict(c: httpx.AsyncClient, hack: Hack) -> str:
         return f"{r['passed']}/{r['total']} {r['status']}"
     if hack.path.startswith("run_code"):
         code = f"{hack.code}\n\n{hack.asserts}" if hack.path == "run_code_assert" else hack.code
-        r = await post(c, "/run_code", {"code": code, "language": "pytest" if hack.path == "run_code_pytest" else "python",
+        language = "pytest" if hack.path == "run_code_pytest" else hack.language
+        r = await post(c, "/run_code", {"code": code, "language": language,
                                         "run_timeout": 20})
         assert r["status"] != "SandboxError", r
         return str(r["status"])
     if hack.path == "code_judge":
         [test] = hack.tests
-        r = await post(c, "/judge", {"type": "python", "solution": hack.code, "input": test["stdin"],
+        r = await post(c, "/judge", {"type": hack.language, "solution": hack.code, "input": test["stdin"],
                                      "expected_output": test["expected_stdout"]})
         assert r["reason"] not in ("internal_error", "queue_timeout"), r
         return "success" if r["success"] else "fail"
@@ -103,7 +104,7 @@ async def verdict(c: httpx.AsyncClient, hack: Hack) -> str:
 
 def test_the_corpus_covers_every_path() -> None:
     assert {h.path for h in HACKS} == set(PATHS)
-    assert len({(h.path, h.name) for h in HACKS}) == len(HACKS)
+    assert len({(h.path, h.name, h.language) for h in HACKS}) == len(HACKS)
 
 
 @pytest.mark.slow
@@ -253,6 +254,8 @@ async def test_judged_verdicts_equal_each_test_run_alone(server: str) -> None:
     subs = list(PRIVATE)
     for call in load_workload("code"):
         assert call.tests is not None
+        if call.language != "python":  # the reference runs Python (C++'s verdicts: tests/test_cpp.py)
+            continue
         chosen = [*call.tests[:WORKLOAD_TESTS], call.tests[-1]]
         subs.append(Submission(f"code workload: {call.tag}", call.code, cpu_s=call.timeout or 2.0,
                                tests=[{"stdin": t.stdin, "expected_stdout": t.expected_stdout} for t in chosen]))

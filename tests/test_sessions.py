@@ -149,7 +149,7 @@ async def test_a_cell_stopped_by_a_limit_is_rolled_back(pool: SlotPool, stop: st
     async with new_session(m, "math") as s:
         assert (await cell(pool, s, ROLLBACK_STATE)).status == "ok"
         stopped = await cell(pool, s, stop, **limits)
-        assert stopped.status == status, stopped
+        assert stopped.status == status, (stopped.message, stopped)
         assert stopped.rolled_back is True and stopped.execution_count == 2
         after = await cell(pool, s, "fd.write('still open'); fd.flush()\nn, next(it), a.tolist()")
         assert after.status == "ok", after

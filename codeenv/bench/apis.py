@@ -69,7 +69,8 @@ class Api:
     async def _tests(self, client: httpx.AsyncClient, call: Call) -> Outcome:
         """A submission's tests, one request each, all at once; the outputs compared here."""
         assert call.tests is not None
-        outcomes = await asyncio.gather(*(self._one(client, Call(call.code, t.stdin, call.timeout))
+        outcomes = await asyncio.gather(*(self._one(client, Call(call.code, t.stdin, call.timeout,
+                                                                 language=call.language))
                                           for t in call.tests))
         for outcome in outcomes:
             if outcome.status in SERVICE_ERRORS:
@@ -126,7 +127,7 @@ class CodeenvApi(Api):
     name, ping_path, call_path = "codeenv", "/readyz", "/v1/execute"
 
     def body(self, call: Call) -> dict[str, Any]:
-        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin}
+        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin, "language": call.language}
         if call.timeout is not None:
             body["limits"] = {"wall_s": call.timeout}
         return body
@@ -160,7 +161,7 @@ class CodeenvClientApi(CodeenvApi):
         from codeenv.client import RequestRejected
 
         try:
-            result = await self._client.run(call.code, stdin=call.stdin,
+            result = await self._client.run(call.code, stdin=call.stdin, language=call.language,
                                             limits={"wall_s": call.timeout} if call.timeout is not None else None)
         except RequestRejected as exc:
             return Outcome("rejected", error=f"{type(exc).__name__}: {exc}"[:200])
@@ -185,7 +186,7 @@ class JudgeApi(Api):
 
     def body(self, call: Call) -> dict[str, Any]:
         assert call.tests is not None
-        body: dict[str, Any] = {"code": call.code, "compare": CODE_COMPARE.value,
+        body: dict[str, Any] = {"code": call.code, "compare": CODE_COMPARE.value, "language": call.language,
                                 "tests": [{"stdin": t.stdin, "expected_stdout": t.expected_stdout}
                                           for t in call.tests]}
         if call.timeout is not None:
@@ -208,7 +209,7 @@ class CodeJudgeApi(Api):
     name, ping_path, call_path = "code-judge", "/ping", "/run"
 
     def body(self, call: Call) -> dict[str, Any]:
-        return {"type": "python", "solution": call.code, "input": call.stdin}
+        return {"type": call.language, "solution": call.code, "input": call.stdin}
 
     def outcome(self, data: Any) -> Outcome:
         if data.get("reason") == "worker_timeout":
@@ -230,7 +231,7 @@ class SandboxFusionApi(Api):
     name, ping_path, call_path = "sandbox-fusion", "/v1/ping", "/run_code"
 
     def body(self, call: Call) -> dict[str, Any]:
-        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin, "language": "python"}
+        body: dict[str, Any] = {"code": call.code, "stdin": call.stdin, "language": call.language}
         if call.timeout is not None:
             body["run_timeout"] = call.timeout
         return body

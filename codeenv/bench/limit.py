@@ -27,7 +27,7 @@ from codeenv.bench.apis import CODE_COMPARE
 from codeenv.bench.baseline import host_python_env
 from codeenv.bench.workload import Call
 from codeenv.compare import same_output
-from codeenv.errors import BenchError
+from codeenv.errors import BenchError, WorkloadError
 from codeenv.sandbox.image import ensure_image
 from codeenv.sandbox.routing import choose_profile
 from codeenv.settings import SandboxSettings
@@ -140,6 +140,9 @@ def measure_limit(calls: list[Call], settings: SandboxSettings | None = None,
     warm: dict[str, subprocess.Popen[str]] = {}
     try:
         for i, call in enumerate(calls):
+            if call.language != "python":
+                raise WorkloadError(f"call {i + 1} is {call.language}: the physical limit runs Python programs only "
+                                    "(leave --limit out for a workload with C++)")
             profile = choose_profile(call.code.encode(errors="surrogatepass"), image.spec.profiles)
             proc = warm.get(profile.name)
             if proc is None:

@@ -9,7 +9,7 @@ A code workload's call is a submission with its tests: ``{"code": ..., "tests": 
 "expected_stdout": ...}, ...], "timeout": 1.0}`` (``timeout``: CPU seconds per test). It is judged
 in one call (``--api judge``) or one request per test (every other API, the outputs compared by the
 bench, as verl's and SkyRL's reward functions do); either way its outcome is ``ok`` with the stdout
-``PASSED/TOTAL``.
+``PASSED/TOTAL``. A call with ``"language": "cpp"`` is C++ (every API but the physical limit's runs it).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Call:
     timeout: float | None = None
     tag: str = ""
     tests: tuple[Test, ...] | None = None  # a code workload's submission
+    language: str = "python"  # or "cpp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,11 @@ def load_workload(name_or_path: str) -> list[Call]:
             raise WorkloadError(f"{path}: call {number}: 'code' (and 'stdin', 'tag' if given) must be strings")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise WorkloadError(f"{path}: call {number}: 'timeout' must be a positive number of seconds")
+        language = item.get("language", "python")
+        if language not in ("python", "cpp"):
+            raise WorkloadError(f"{path}: call {number}: 'language' must be python or cpp")
         calls.append(Call(code, stdin, float(timeout) if timeout is not None else None, tag,
-                          _tests(item.get("tests"), path, number)))
+                          _tests(item.get("tests"), path, number), str(language)))
     return calls
 
 

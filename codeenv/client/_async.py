@@ -153,14 +153,17 @@ class AsyncClient:
     async def run(self, code: str, *, stdin: str = "", limits: Mapping[str, Any] | None = None,
                   id: str | None = None, profile: str | None = None, deadline_s: float | None = None,
                   files: Mapping[str, str] | None = None, fetch_files: Iterable[str] | None = None,
-                  ledger: Recorder | None = None, display_last: bool = False) -> ExecResult:
+                  ledger: Recorder | None = None, display_last: bool = False, language: str = "python",
+                  preset: str | None = None, std: str | None = None) -> ExecResult:
         """Run one program; returns its structured result. `deadline_s`: it must start within this
         many seconds (counted from now, across retries) or it comes back `overloaded`, not run.
-        `display_last`: the repr of the last top-level expression comes back as `value`."""
-        request = ExecRequest(code=code, stdin=stdin, limits=Limits.model_validate(dict(limits or {}), strict=False),
-                              id=id or uuid.uuid4().hex,
-                              profile=profile, deadline_s=deadline_s, files=dict(files or {}),
-                              fetch_files=list(fetch_files or []), display_last=display_last)
+        `display_last`: the repr of the last top-level expression comes back as `value`.
+        `language` "cpp": C++ compiled once with `preset` and `std` (its compilation in `compile`)."""
+        request = ExecRequest.model_validate({
+            "code": code, "stdin": stdin, "limits": Limits.model_validate(dict(limits or {}), strict=False),
+            "id": id or uuid.uuid4().hex, "profile": profile, "deadline_s": deadline_s, "files": dict(files or {}),
+            "fetch_files": list(fetch_files or []), "display_last": display_last, "language": language,
+            "preset": preset, "std": std})
         return await self.submit(request, ledger=ledger)
 
     async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult:

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 
 #: Time a pre-cell process has to report its cell's end after it is resumed.
 SESSION_REPLY_S = 2.0
+#: How long a rolled-back cell's supervisor waits for the worker to lift the cell's memory limit.
+RESUME_WAIT_S = 60.0
 #: Most forks one request makes (a family holds at most CODEENV_SESSION_FORKS_MAX sessions anyway).
 FORKS_AT_ONCE = 1024
 class SessionProcess:
@@ -428,6 +430,16 @@ class Supervisor:
                 proc.send(self.sock, {"op": Family.PONG})
         return False
 
+    def _await_resume(self, deadline: float) -> None:
+        """Until the worker's "resume" (a late kill, whose cell is over, is read and dropped; a ping is
+        answered), or `deadline`."""
+        while select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            op = proc.recv_or_exit(self.sock).get("op")
+            if op == Family.RESUME:
+                return
+            if op == Family.PING:
+                proc.send(self.sock, {"op": Family.PONG})
+
     def _watch_cell(self, cell_pid: int, ours: socket.socket, deadline: float,
                     reply: dict[str, Any]) -> dict[str, Any] | None:
         """Wait for the cell until its deadline; its "done" if it ended by itself (else None, with
@@ -473,11 +485,12 @@ class Supervisor:
         """Stopped by a limit, or it ended the interpreter: everything of the cell goes, the pre-cell
         process is the session again."""
         self.kill_others(self.session_pids())
-        # The worker lifts the cell's memory limit before the pre-cell process runs again.
+        # The worker lifts the cell's memory limit before the pre-cell process runs again: thawed
+        # under the cell's limit, the pre-cell process would meet the OOM killer (a worker whose
+        # event loop stalled for 2 s lost sessions so). It waits for the worker's "resume".
         try:
             proc.send(self.sock, {"op": Family.CELL_OVER, "seq": seq})
-            if select.select([self.sock], [], [], SESSION_REPLY_S)[0]:
-                self.sock.recv(MAX_MSG)  # "resume" (or anything: a late kill, whose cell is over)
+            self._await_resume(time.monotonic() + RESUME_WAIT_S)
         except OSError:
             pass
         thaw(pid)
