@@ -41,7 +41,7 @@ from codeenv.sandbox.cgroups import (
     require_v2_controllers,
 )
 from codeenv.sandbox.image import Image, ImageSpec, current_image, find_spec, spec_digest
-from codeenv.sandbox.jail import check_traversable, nsjail_binary
+from codeenv.sandbox.jail import check_traversable, linker_notice, nsjail_binary
 from codeenv.sandbox.probe import missing_library, package_for, probe_jail
 from codeenv.sandbox.sizing import (
     SlotPlan,
@@ -401,7 +401,7 @@ def check_uids(report: Report, settings: SandboxSettings, slots: int) -> int | N
 
 
 def _tail(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip() and "no version information available" not in line]
+    lines = [line for line in text.splitlines() if line.strip() and not linker_notice(line)]
     return lines[-1] if lines else ""
 
 

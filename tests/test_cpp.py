@@ -97,7 +97,34 @@ int main() {
     assert got["segv"]["signal"] == 11 and "Segmentation" in got["segv"]["message"]
     assert got["abort"]["signal"] == 6
     assert got["exit3"]["exit_code"] == 3
-    assert result["compile"]["status"] == "ok"
+    assert (result["compile"]["status"], result["compile"]["stderr"]) == ("ok", ""), result["compile"]
+
+
+async def test_a_program_starts_as_a_fresh_process_would(api: httpx.AsyncClient) -> None:
+    """No fd of the harness, no signal ignored or blocked (CPython ignores SIGPIPE and SIGXFSZ), the
+    stack as large as the memory limit: on /v1/judge (spawned per test) and /v1/execute (exec'd)."""
+    code = r"""#include <bits/stdc++.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+int main() {
+    std::string bad;
+    for (int fd = 3; fd < 1024; fd++) if (fcntl(fd, F_GETFD) != -1) bad += " fd" + std::to_string(fd);
+    sigset_t mask; sigprocmask(SIG_SETMASK, nullptr, &mask);
+    for (int sig = 1; sig < 32; sig++) {
+        struct sigaction sa; sigaction(sig, nullptr, &sa);
+        if (sa.sa_handler != SIG_DFL) bad += " handler" + std::to_string(sig);
+        if (sigismember(&mask, sig)) bad += " blocked" + std::to_string(sig);
+    }
+    rlimit stack; getrlimit(RLIMIT_STACK, &stack);
+    if (stack.rlim_cur < (200ull << 20)) bad += " stack" + std::to_string(stack.rlim_cur);
+    std::cout << (bad.empty() ? "fresh" : bad) << std::endl;
+}
+"""
+    result = await judge(api, code, [("", "fresh"), ("", "fresh")], limits={"memory_mb": 256})
+    assert statuses(result) == ["passed", "passed"], [t["stdout"] for t in result["tests"]]
+    r = await api.post("/v1/execute", json={"code": code, "language": "cpp", "limits": {"memory_mb": 256}})
+    assert r.status_code == 200 and r.json()["stdout"] == "fresh\n", r.text
 
 
 async def test_a_program_cannot_find_the_expected_output(api: httpx.AsyncClient) -> None:
@@ -139,11 +166,30 @@ async def test_a_compile_error_says_what_the_compiler_said(api: httpx.AsyncClien
     assert result["status"] == "compile_error"
     assert statuses(result) == ["skipped", "skipped"]
     assert "undeclared" in result["compile"]["stderr"] and "error" in result["compile"]["stderr"]
+    assert result["compile"]["stderr"].startswith("/work/solution.cpp"), result["compile"]  # only the compiler's
     for hostile in ("#include </dev/urandom>\n", "#include </proc/self/environ>\n", "#include </etc/shadow>\n",
                     '#include "/work/../../../../proc/1/environ"\n'):
         result = await judge(api, hostile + "int main() {}\n", [("", "")])
         assert result["status"] == "compile_error", (hostile, result)
         assert "No such file" in result["compile"]["stderr"], (hostile, result["compile"])
+
+
+@pytest.mark.parametrize(("update", "says"), [
+    ({"cpp_toolchain": ""}, "C++ is off on this worker (CODEENV_CPP_TOOLCHAIN is empty)"),
+    ({"state_dir": "EMPTY"}, "is not built on this worker (or its declaration changed since): run `codeenv image "
+                              "build cpp-gcc12` on its host"),
+])
+async def test_without_a_toolchain_a_cpp_call_is_a_422_that_says_how_to_build_it(
+        api: httpx.AsyncClient, pool: SlotPool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+        update: dict[str, Any], says: str) -> None:
+    assert pool.compiler is not None
+    update = {k: tmp_path if v == "EMPTY" else v for k, v in update.items()}
+    monkeypatch.setattr(pool.compiler, "settings", pool.compiler.settings.model_copy(update=update))
+    monkeypatch.setattr(pool.compiler, "_toolchain", None)
+    for route, body in (("/v1/judge", {"tests": [{"stdin": "1 2", "expected_stdout": "3"}]}),
+                        ("/v1/execute", {"stdin": "1 2"})):
+        r = await api.post(route, json={"code": SUM, "language": "cpp", **body})
+        assert r.status_code == 422 and says in r.text, r.text
 
 
 async def test_execute_runs_cpp_with_stdin(api: httpx.AsyncClient) -> None:

