@@ -4,6 +4,7 @@ function-call tests' returned values as JSON. Used outside the jail (the judge, 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from codeenv.models import Compare
@@ -37,12 +38,24 @@ def close_enough(actual: float, expected: float, tol: float) -> bool:
     return abs(actual - expected) <= tol * max(1.0, abs(expected))
 
 
+#: The words open-r1's Codeforces comparison reads in any case (whole ASCII words, as sed's \b).
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE | re.ASCII)
+
+
+def _codeforces_tokens(text: str) -> list[str]:
+    """open-r1's Codeforces default comparison (its Piston package): the words yes and no
+    uppercased, every run of whitespace (newlines, carriage returns) one space, the ends trimmed."""
+    return _YES_NO.sub(lambda m: m.group(1).upper(), text).split()
+
+
 def same_output(actual: str, expected: str, compare: Compare, tol: float) -> bool:
     """Whether a stdin test's output passes under `compare` (see models.Compare)."""
     if compare is Compare.exact:
         return actual == expected
     if compare is Compare.lines:
         return _lines(actual) == _lines(expected)
+    if compare is Compare.codeforces:
+        return _codeforces_tokens(actual) == _codeforces_tokens(expected)
     got, want = actual.split(), expected.split()
     if compare is Compare.tokens or len(got) != len(want):
         return got == want

@@ -173,6 +173,23 @@ CppPreset = Literal["codeforces", "ioi", "plain"]
 CppStd = Literal["c++11", "c++14", "c++17", "c++20", "gnu++11", "gnu++14", "gnu++17", "gnu++20"]
 
 
+#: A file compiled beside C++ code (a header such as testlib.h, an IOI task's grader or stub).
+SOURCE_FILE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+#: How many such files, and the most bytes the code and they may hold together.
+SOURCE_FILES_MAX, SOURCE_FILES_MAX_BYTES = 16, 4 << 20
+
+
+def _check_source_files(code: str, files: dict[str, str], what: str) -> None:
+    """ValueError unless `files` (compiled beside `code`) have plain names and fit the caps."""
+    for name in files:
+        if not re.fullmatch(SOURCE_FILE_PATTERN, name) or name in ("solution.cpp", "solution"):
+            raise ValueError(f"{what} file name {name!r}: a plain file name (letters, digits, _ . -), not "
+                             "solution.cpp")
+    size = len(code.encode()) + sum(len(v.encode()) for v in files.values())
+    if size > SOURCE_FILES_MAX_BYTES:
+        raise ValueError(f"the {what}'s source and files hold {size} bytes; the limit is {SOURCE_FILES_MAX_BYTES}")
+
+
 def _check_language(language: Language, preset: str | None, std: str | None) -> None:
     if language is not Language.cpp and (preset is not None or std is not None):
         raise ValueError("preset and std are for language cpp")
@@ -227,6 +244,9 @@ class ExecRequest(BaseModel):
                                            "(preset, std) and its binary run under the limits")
     preset: CppPreset | None = Field(None, description="cpp: the compiler's flags (codeforces by default)")
     std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
+    graders: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
+                                     description="cpp: files compiled beside the code, by name (headers, an IOI "
+                                                 "task's grader and stub: C++ sources among them are linked with it)")
 
     #: With `session`: who asks (the hash of the X-Codeenv-Session-Key the gateway received; b"" for
     #: in-process callers). Never on the wire: the gateway sets it from the request's header.
@@ -245,6 +265,10 @@ class ExecRequest(BaseModel):
                 raise ValueError("language cpp runs a compiled program: it takes no session or display_last")
             if self.judge is not None and self.judge.fn_name is not None:
                 raise ValueError("language cpp takes stdin tests only, not fn_name")
+        if self.graders:
+            if self.language is not Language.cpp:
+                raise ValueError("graders are compiled with C++ code: they need language cpp")
+            _check_source_files(self.code, self.graders, "submission")
         return self
 
 
@@ -458,6 +482,7 @@ class Compare(StrEnum):
     lines = "lines"  # trailing whitespace per line and trailing blank lines ignored
     tokens = "tokens"  # whitespace-separated tokens equal
     float = "float"  # tokens equal, or both numbers with |a - b| <= tol * max(1, |b|)
+    codeforces = "codeforces"  # open-r1's Codeforces default: tokens equal, the words yes and no in any case
 
 
 class TestStatus(StrEnum):
@@ -503,6 +528,37 @@ class JudgeTest(BaseModel):
     expected: Any = Field(None, description="function-call tests: the return value that passes (JSON)")
 
 
+class CheckerType(StrEnum):
+    """How a checker is called and how its answer is read (README, "Checkers")."""
+
+    testlib = "testlib"  # checker input output answer; exit 0 AC, 1 WA, 2 PE, 3 FAIL, 7 points
+    cms = "cms"  # checker input answer output; a score from 0 to 1 on stdout, a message on stderr
+    open_r1 = "open_r1"  # python checker.py input answer output; prints 1 or 100 when correct
+
+
+class CheckerSpec(BaseModel):
+    """A problem's own checker: it decides a stdin test's verdict from the test's input, the
+    submission's output and the expected answer, in a jail of its own."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: CheckerType = Field(strict=False)  # its name, from JSON
+    code: Text = Field(description="the checker's source")
+    language: Literal["cpp", "python"] | None = Field(
+        None, description="cpp (compiled once, g++ -O2 -std=gnu++17) or python; by default cpp for testlib and "
+                          "cms, python for open_r1")
+    files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
+                                   description="files compiled beside the source, by name: headers such as testlib.h "
+                                               "(C++ sources among them are linked with it)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> CheckerSpec:
+        _check_source_files(self.code, self.files, "checker")
+        if self.language is None:
+            self.language = "python" if self.type is CheckerType.open_r1 else "cpp"
+        return self
+
+
 def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> None:
     """ValueError unless `tests` are all of the kind `fn_name` says (stdin tests without it). A test
     `as_sent` by a caller counts the fields it gave; after a trip through a queue, those not null."""
@@ -531,6 +587,7 @@ class JudgeSpec(BaseModel):
     stop_on_failure: bool = False
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     language: Language = Field(Language.python, strict=False)  # its name, from JSON
+    checker: CheckerSpec | None = None
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
@@ -554,6 +611,9 @@ class JudgeRequest(BaseModel):
                            json_schema_extra={"pattern": "^([Pp][Yy][Tt][Hh][Oo][Nn]|[Cc][Pp][Pp])$"})
     preset: CppPreset | None = Field(None, description="cpp: the compiler's flags (codeforces by default)")
     std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
+    graders: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
+                                     description="cpp: files compiled beside the code, by name (headers, an IOI "
+                                                 "task's grader and stub: C++ sources among them are linked with it)")
     tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
     fn_name: Text | None = Field(None, max_length=256,
                                  description="function-call tests: the function, or method of class Solution")
@@ -565,15 +625,15 @@ class JudgeRequest(BaseModel):
     id: Text | None = Field(None, max_length=128, description="the caller's call id")
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="must start within this many seconds, or it is answered overloaded")
-    checker: Any = Field(None, description="not supported yet: a special checker",
-                         json_schema_extra={"type": "null"})
+    checker: CheckerSpec | None = Field(None, description="stdin tests: the problem's own checker decides each "
+                                                          "test that ran to its end (README, \"Checkers\")")
     interactive: bool = Field(False, description="not supported yet: an interactive problem",
                               json_schema_extra={"const": False})
 
     @model_validator(mode="after")
     def _supported(self) -> JudgeRequest:
-        if self.checker is not None:
-            raise ValueError("special checkers are not supported yet: give expected outputs and a compare mode")
+        if self.checker is not None and self.fn_name is not None:
+            raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
         if self.interactive:
             raise ValueError("interactive problems are not supported yet")
         _check_tests(self.tests, self.fn_name, as_sent=True)
@@ -581,15 +641,20 @@ class JudgeRequest(BaseModel):
             raise ValueError(f"language {self.language!r} is not supported; the judge runs "
                              f"{', '.join(JUDGE_LANGUAGES)}")
         _check_language(Language(self.language.lower()), self.preset, self.std)
+        if self.graders:
+            if self.language.lower() != Language.cpp:
+                raise ValueError("graders are compiled with C++ code: they need language cpp")
+            _check_source_files(self.code, self.graders, "submission")
         return self
 
     def to_call(self) -> ExecRequest:
         """The call that judges this submission (what travels through the queue to a worker)."""
         language = Language(self.language.lower())
         spec = JudgeSpec(tests=self.tests, fn_name=self.fn_name, compare=self.compare, float_tol=self.float_tol,
-                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s, language=language)
+                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s, language=language,
+                         checker=self.checker)
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
-                           language=language, preset=self.preset, std=self.std)
+                           language=language, preset=self.preset, std=self.std, graders=self.graders)
 
 
 class TestResult(BaseModel):
@@ -613,6 +678,8 @@ class TestResult(BaseModel):
                                                      "comparison saw it whole)")
     error: ErrorInfo | None = None
     message: str | None = None
+    score: float | None = Field(None, description="a checker's score of the test (cms: 0 to 1; testlib: its points; "
+                                                  "1 or 0 otherwise); null without a checker")
 
 
 class CompileInfo(BaseModel):

@@ -212,9 +212,13 @@ def gateway(request: pytest.FixtureRequest) -> GatewayClient:
     @asynccontextmanager
     async def make(queue: Any = None, base_url: str = "http://localhost", headers: dict[str, str] | None = None,
                    **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-        transport = httpx.ASGITransport(app=app_of(queue, settings))
-        async with httpx.AsyncClient(transport=transport, base_url=base_url, headers=headers) as client:
-            yield client
+        app = app_of(queue, settings)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url,
+                                         headers=headers) as client:
+                yield client
+        finally:  # ASGITransport runs no lifespan: the body parser's helper processes end here
+            await app.state.parser.close()
 
     return make
 

@@ -58,6 +58,12 @@ def statuses(result: dict[str, Any]) -> list[str]:
     ("1  2\n\n3", "1 2 3", Compare.tokens, True),
     ("1 2", "1 2 3", Compare.tokens, False),
     ("0.30000000000000004 x", "0.3 x", Compare.float, True),
+    # open-r1's Codeforces default: whitespace squeezed, the words yes and no in any case
+    ("Yes\n1  2\r\n\n", "YES 1\n2", Compare.codeforces, True),
+    ("nO, yes.", "NO, YES.", Compare.codeforces, True),
+    ("yesno", "YESNO", Compare.codeforces, False),  # not a word of its own
+    ("Ok", "OK", Compare.codeforces, False),
+    ("1 2", "1 2 3", Compare.codeforces, False),
     ("1000000.5", "1000000.0", Compare.float, True),  # relative to max(1, |expected|)
     ("0.5001", "0.5", Compare.float, False),
     ("nan inf", "nan inf", Compare.float, True),
@@ -110,7 +116,12 @@ def test_reward_helper_flags_service_faults() -> None:
     ({"code": ADD, "fn_name": "f", "tests": [{"args": [1]}]}, "function-call tests"),
     ({"code": ADD, "fn_name": "not a name", "tests": [{"args": [1], "expected": 1}]}, "(ASCII) identifier"),
     ({"code": ADD, "language": "go", "tests": stdin_tests(("1 1", "2"))}, "language 'go' is not supported"),
-    ({"code": ADD, "checker": "def check(a, b): ...", "tests": stdin_tests(("1 1", "2"))}, "special checkers"),
+    ({"code": ADD, "checker": "def check(a, b): ...", "tests": stdin_tests(("1 1", "2"))}, "valid dictionary"),
+    ({"code": ADD, "checker": {"type": "cms", "code": "x"}, "fn_name": "f", "tests": [{"args": [1], "expected": 1}]},
+     "a checker judges stdin tests"),
+    ({"code": ADD, "checker": {"type": "testlib", "code": "x", "files": {"../testlib.h": ""}},
+      "tests": stdin_tests(("1 1", "2"))}, "checker file name '../testlib.h'"),
+    ({"code": ADD, "checker": {"type": "spj", "code": "x"}, "tests": stdin_tests(("1 1", "2"))}, "testlib"),
     ({"code": ADD, "interactive": True, "tests": stdin_tests(("1 1", "2"))}, "interactive problems"),
     ({"code": ADD, "compare": "fuzzy", "tests": stdin_tests(("1 1", "2"))}, "compare"),
     ({"code": ADD, "limits": {"cpu_s": 1000}, "tests": stdin_tests(("1 1", "2"))}, "limits.cpu_s=1000"),

@@ -23,7 +23,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from codeenv.api import compat, contract, judging, native, nemo, routers, sessions
+from codeenv.api import compat, contract, judging, native, nemo, piston, routers, sessions
 from codeenv.api.body import BodyParser, return_large_frees
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
@@ -125,7 +125,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                          swagger_ui_parameters={"validatorUrl": None},
                          description="Run untrusted Python in jails, with hard limits and structured results.")
     app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
-                       | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS,
+                       | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS
+                       | piston.JSON_PATHS,
                        json_route=sessions.is_json_route, parser=parser)
 
     @app.exception_handler(ApiError)
@@ -146,7 +147,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     # request walks through (measured: +14% Python calls per /v1/execute, +38% per /run_code).
     for api in (native.router(gateway), judging.router(gateway), compat.code_judge_router(gateway),
                 compat.sandbox_fusion_router(gateway), routers.router(gateway), sessions.router(gateway),
-                nemo.router(gateway)):
+                nemo.router(gateway), piston.router(gateway)):
         app.router.routes.extend(api.routes)
 
     def openapi() -> dict[str, Any]:
@@ -158,7 +159,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             for model in (ExecRequest, Limits, native.BatchRequest, JudgeRequest, judging.JudgeBatchRequest,
                           SessionCreate, SessionCell, SessionFork, SnapshotCreate,
                           compat.Submission, compat.BatchSubmission,
-                          compat.RunCodeRequest, routers.ScriptBatch, nemo.NemoExecute, nemo.NemoError):
+                          compat.RunCodeRequest, routers.ScriptBatch, nemo.NemoExecute, nemo.NemoError,
+                          piston.PistonExecute):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
@@ -169,4 +171,5 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.metrics = metrics
     app.state.queue = queue
+    app.state.parser = parser  # closed by the lifespan (an app run without one closes it itself)
     return app

@@ -54,6 +54,9 @@ DIAGNOSTICS_BYTES = 64 << 10
 #: root has no libstdc++), from the source in the compile jail's work dir.
 LINK_FLAGS = ["-static"]
 SOURCE = "solution.cpp"
+#: Files beside the source that are compiled and linked with it (an IOI grader, a stub); the rest
+#: (headers) are only there to be included.
+LINKED_SUFFIXES = (".cpp", ".cc", ".cxx")
 BINARY = "solution"
 #: Processes a compile may have at once (the driver, cc1plus, as, collect2, ld).
 COMPILE_PIDS = 32
@@ -164,16 +167,18 @@ class Compiler:
     def flags(self, preset: str | None, std: str | None) -> list[str]:
         return [*self.toolchain().preset_flags(preset or "codeforces", std), *LINK_FLAGS]
 
-    def key(self, source: bytes, flags: list[str]) -> str:
-        head = json.dumps([self.toolchain().content_hash, flags]).encode()
-        return hashlib.sha256(head + b"\0" + source).hexdigest()
+    def key(self, source: bytes, flags: list[str], files: dict[str, bytes] | None = None) -> str:
+        head = json.dumps([self.toolchain().content_hash, flags,
+                           sorted((name, hashlib.sha256(data).hexdigest()) for name, data in (files or {}).items())])
+        return hashlib.sha256(head.encode() + b"\0" + source).hexdigest()
 
     async def compile(self, source: bytes, preset: str | None, std: str | None, host_uid: int,
-                      cgroup: JailCgroup) -> Compiled:
-        """`source` compiled with `preset` and `std`, from the cache or in a jail running as `host_uid`
-        in `cgroup` (raises ImageError when there is no toolchain)."""
+                      cgroup: JailCgroup, files: dict[str, bytes] | None = None) -> Compiled:
+        """`source` compiled with `preset` and `std` (and `files` beside it in the work dir: headers,
+        and C++ sources linked with it), from the cache or in a jail running as `host_uid` in `cgroup`
+        (raises ImageError when there is no toolchain)."""
         flags = self.flags(preset, std)
-        key = self.key(source, flags)
+        key = self.key(source, flags, files)
         hit = await asyncio.to_thread(self.cache.get, key)
         if hit is not None:
             self.cache_hits += 1
@@ -182,14 +187,14 @@ class Compiler:
                 return Compiled(CompileInfo(status="ok", cached=True), binary, key)
             return Compiled(CompileInfo(status="error", stderr=diagnostics or "", cached=True,
                                         message="the code does not compile"), None, key)
-        compiled = await self._run(source, flags, host_uid, cgroup)
+        compiled = await self._run(source, flags, host_uid, cgroup, files)
         compiled.key = key
         self.compiles += 1
         if compiled.info.limit is None:  # a limit may not be reached again on a quieter host
             await asyncio.to_thread(self.cache.put, key, compiled.binary, compiled.info.stderr)
         return compiled
 
-    def _config(self, work: Path, flags: list[str], host_uid: int) -> NsJailConfig:
+    def _config(self, work: Path, flags: list[str], host_uid: int, sources: list[str]) -> NsJailConfig:
         s = self.settings
         toolchain = self.toolchain()
         ids = [IdMap(inside_id=str(SANDBOX_UID), outside_id=str(host_uid), count=1)]
@@ -219,22 +224,26 @@ class Compiler:
                         rw=True, is_dir=True, nosuid=True, nodev=True),
             ],
             exec_bin=Exe(path=toolchain.spec.compiler,
-                         arg=[*flags, "-o", f"/work/{BINARY}", f"/work/{SOURCE}"]),
+                         arg=[*flags, "-o", f"/work/{BINARY}", f"/work/{SOURCE}",
+                              *(f"/work/{name}" for name in sorted(sources))]),
         )
 
-    async def _run(self, source: bytes, flags: list[str], host_uid: int, cgroup: JailCgroup) -> Compiled:
+    async def _run(self, source: bytes, flags: list[str], host_uid: int, cgroup: JailCgroup,
+                   files: dict[str, bytes] | None = None) -> Compiled:
         s = self.settings
         self._count += 1
         work = self.runtime_dir / f"compile-{host_uid}-{self._count}"
         src = work / "src"
         src.mkdir(parents=True)
         try:
-            (src / SOURCE).write_bytes(source)
-            os.chmod(src / SOURCE, 0o444)
+            for name, data in {**(files or {}), SOURCE: source}.items():  # names checked by the request's model
+                (src / name).write_bytes(data)
+                os.chmod(src / name, 0o444)
             os.chown(src, host_uid, host_uid)
             os.chmod(src, 0o700)
             cfg = work / "compile.cfg"
-            cfg.write_text(config_text(self._config(work, flags, host_uid)))
+            sources = [name for name in files or {} if name.endswith(LINKED_SUFFIXES)]
+            cfg.write_text(config_text(self._config(work, flags, host_uid, sources)))
             cgroup.set_memory_limit(s.cpp_compile_memory_mb << 20)
             cgroup.set_pids_max(COMPILE_PIDS)
             oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()

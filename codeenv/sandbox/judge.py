@@ -6,16 +6,18 @@ the preparation's CPU time counts against every test's limit and shows in its fi
 the state the preparation left and nothing of the tests before it, and with `stop_on_failure` the
 result is a sequential run's (every test after the first failure is skipped).
 
-Expected answers never enter the jail: outputs are compared here.
+Expected answers never enter the jail: outputs are compared here, or by the problem's checker in a
+jail of its own (`check`, see checker.py) once the test's process is gone.
 
 Usage (on a worker, with the slot's zygote locked)::
 
-    outcome = await judge(zygote, code, spec, limits, total_wall_s, restart)
+    outcome = await judge(zygote, code, spec, limits, total_wall_s, restart, check)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -31,6 +33,7 @@ from codeenv.models import (
     TestResult,
     TestStatus,
 )
+from codeenv.sandbox.checker import Check
 from codeenv.sandbox.outside.calls import CallJail
 from codeenv.sandbox.outside.submission import Submission, TestOutcome
 from codeenv.sandbox.verdict import verdict
@@ -55,6 +58,10 @@ def report_bytes(limits: LimitValues) -> int:
 
 
 Restart = Callable[[str], Awaitable[CallJail]]
+#: The problem's checker on one test: (its input, the submission's output, the expected answer).
+Checking = Callable[[bytes, bytes, bytes], Awaitable[Check]]
+
+logger = logging.getLogger(__name__)
 
 
 async def _alone(zygote: CallJail, code: bytes, test: JudgeTest, spec: JudgeSpec,
@@ -78,22 +85,24 @@ async def _alone(zygote: CallJail, code: bytes, test: JudgeTest, spec: JudgeSpec
 
 
 async def judge(zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
-                restart: Restart) -> tuple[JudgeOutcome, str | None]:
+                restart: Restart, check: Checking | None = None) -> tuple[JudgeOutcome, str | None]:
     """Run every test of `spec` against `code` in `zygote`'s jail, preparing the submission again
-    after a test that ended its process. `restart(reason)` recycles the jail and returns its zygote.
+    after a test that ended its process. `restart(reason)` recycles the jail and returns its zygote;
+    `check` runs the problem's checker (where `spec` has one) on a test that ran to its end.
 
     Returns the outcome and, with the jail's traces wiped and checked, why it must be recycled
     (None if it is ready for the next call). Raises ZygoteDied(started=False) only if nothing ran.
     """
-    return await _Judging(zygote, code, spec, limits, total_wall_s, restart).run()
+    return await _Judging(zygote, code, spec, limits, total_wall_s, restart, check).run()
 
 
 class _Judging:
     """One submission's run against its tests: which test is next, and in which process it runs."""
 
     def __init__(self, zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues,
-                 total_wall_s: float, restart: Restart) -> None:
+                 total_wall_s: float, restart: Restart, check: Checking | None) -> None:
         self.zygote, self.code, self.spec, self.limits, self.restart = zygote, code, spec, limits, restart
+        self.check = check
         self.total_wall_s = total_wall_s
         self.deadline = time.monotonic() + total_wall_s
         self.tests = spec.tests
@@ -138,7 +147,7 @@ class _Judging:
             await self.sub.close()
             problem = await self.problem()
         for i, observed in self.observations.items():
-            self.results[i] = verdict(observed, self.tests[i], self.spec, self.limits)
+            self.results[i] = await self.decide(i, observed)
         outcome = self.outcome
         outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
                          for r in self.results]
@@ -154,12 +163,30 @@ class _Judging:
         if problem is not None:
             self.zygote = await self.restart(problem)
 
-    def settle(self, i: int, observed: TestOutcome) -> bool:
+    async def decide(self, i: int, observed: TestOutcome) -> TestResult:
+        """Test i's verdict: from what was observed, and the problem's checker where it has one."""
+        result = verdict(observed, self.tests[i], self.spec, self.limits)
+        if self.spec.checker is None or result.status is not TestStatus.passed:
+            return result
+        test = self.tests[i]
+        try:
+            if self.check is None:
+                raise RuntimeError("no checker runs on this worker")
+            checked = await self.check((test.stdin or "").encode(), observed.stdout,
+                                       (test.expected_stdout or "").encode())
+        except Exception as exc:  # the checker's jail could not run: no verdict, never the program's fault
+            logger.exception("a checker could not run")
+            result.status, result.message = TestStatus.internal_error, f"the checker could not run: {exc!r}"[:500]
+            return result
+        result.status, result.score, result.message = checked.status, checked.score, checked.message
+        return result
+
+    async def settle(self, i: int, observed: TestOutcome) -> bool:
         """Keep test i's observation; whether the run goes on after it."""
         if not self.spec.stop_on_failure:
             self.observations[i] = observed
             return True
-        self.results[i] = result = verdict(observed, self.tests[i], self.spec, self.limits)
+        self.results[i] = result = await self.decide(i, observed)
         if result.status is TestStatus.passed:
             return True
         self.finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
@@ -180,7 +207,7 @@ class _Judging:
             return True  # not started: run it again
         await self.clean_or_restart()
         self.index += 1
-        return self.settle(self.index - 1, observed)
+        return await self.settle(self.index - 1, observed)
 
     async def prepare(self, remaining_s: float) -> bool | None:
         """Prepare the submission in a new process: True when its tests can run, None to try again
@@ -234,5 +261,5 @@ class _Judging:
             if observed.done is not None and not observed.done.clean:
                 sub.lost = "the work dir could not be wiped after a test"
             self.index += 1
-            if not self.settle(self.index - 1, observed):
+            if not await self.settle(self.index - 1, observed):
                 self.index = len(self.tests)

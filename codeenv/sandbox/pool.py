@@ -32,6 +32,7 @@ from pathlib import Path
 from codeenv.admission import admit, decoded_files, judge_limits
 from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
 from codeenv.models import (
+    CheckerSpec,
     CompileInfo,
     ExecRequest,
     ExecResult,
@@ -45,6 +46,7 @@ from codeenv.models import (
 from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup, owner_alive
+from codeenv.sandbox.checker import Check, Checkers, Prepared
 from codeenv.sandbox.compiler import Compiled, Compiler
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.jail import JAIL_PACKAGE, ZYGOTE_PROC, check_traversable, nsjail_binary
@@ -56,6 +58,7 @@ from codeenv.sandbox.routing import choose_profile
 from codeenv.sandbox.sessions import SessionManager, cells_at_once
 from codeenv.sandbox.sizing import SlotPlan, apply_plan, memory_allowance, plan_slots
 from codeenv.sandbox.uids import (
+    CHECKER_UIDS,
     FAMILY_UIDS,
     SESSION_ROOT_UIDS,
     UidBlock,
@@ -110,6 +113,7 @@ class _Ran:
     judged: JudgeOutcome | None = None
     problem: str | None = None  # why the judged jail must be recycled
     outcome: Outcome | None = None
+    checker_failed: CompileInfo | None = None  # the problem's checker does not compile: nothing ran
 
 
 class _SlotBroker:
@@ -188,7 +192,8 @@ class SlotPool:
         self._uids: UidBlock | None = None
         self.sessions: SessionManager | None = None
         self.compiler: Compiler | None = None
-        self._compile_groups: dict[int, JailCgroup] = {}
+        self.checkers: Checkers | None = None
+        self._side_groups: dict[tuple[int, str], JailCgroup] = {}  # (slot, "compile" or "check")
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -261,6 +266,7 @@ class SlotPool:
         for slot in self.slots:
             self._free.release(slot)
         self.compiler = Compiler(settings, self._runtime)
+        self.checkers = Checkers(settings, self.compiler, self.image, self._runtime)
         self.sessions = SessionManager(
             settings, self.image, self._tree, self.uid_base + SESSION_ROOT_UIDS, self.uid_base + FAMILY_UIDS, nsjail,
             self._runtime, zygote_dir, self.worker,
@@ -301,9 +307,9 @@ class SlotPool:
         for slot in self.slots:
             for z in slot.zygotes.values():
                 await asyncio.to_thread(z.cgroup.remove)
-        for group in self._compile_groups.values():
+        for group in self._side_groups.values():
             await asyncio.to_thread(group.remove)
-        self._compile_groups = {}
+        self._side_groups = {}
         if self._tree is not None:
             self._tree.remove()
         if self._runtime is not None:
@@ -450,7 +456,14 @@ class SlotPool:
                     return ran  # answered by _answer: nothing runs in the jail
                 program = ran.compiled.binary
             if request.judge is not None:
-                ran.judged, ran.problem = await self._judge(slot, zygote, program, request, limits)
+                checker = None
+                if request.judge.checker is not None:
+                    prepared = await self._checker(slot, request.judge.checker)
+                    if isinstance(prepared, CompileInfo):
+                        ran.checker_failed = prepared
+                        return ran
+                    checker = prepared
+                ran.judged, ran.problem = await self._judge(slot, zygote, program, request, limits, checker)
             else:
                 # Always pre-fork the next child: a child forked on demand must wait for the
                 # worker to raise its OOM score (a round trip per call), which costs more at
@@ -463,6 +476,11 @@ class SlotPool:
                 fetch: list[str] | None, wall_s: float) -> ExecResult:
         """The result of a call that ran on its slot (or failed to compile there); the slot goes back."""
         compile_info = ran.compiled.info if ran.compiled is not None else None
+        if ran.checker_failed is not None:
+            self._give_back(slot, zygote)
+            return ExecResult(status=Status.internal_error, started=False, wall_s=round(wall_s, 6),
+                              message="the problem's checker does not compile (no test ran): "
+                                      f"{ran.checker_failed.message or ''} {ran.checker_failed.stderr[-4000:]}".strip())
         if ran.compiled is not None and ran.compiled.binary is None:
             self._give_back(slot, zygote)
             assert compile_info is not None
@@ -497,17 +515,32 @@ class SlotPool:
         except TimeoutError:
             return None
 
+    def _group(self, slot: Slot, kind: str) -> JailCgroup:
+        """A cgroup of the slot's own beside its jail's: "compile" or "check"."""
+        assert self._tree is not None
+        group = self._side_groups.get((slot.index, kind))
+        if group is None:
+            group = self._side_groups[slot.index, kind] = self._tree.group(f"slot{slot.index}-{kind}")
+        return group
+
     async def _compile(self, slot: Slot, source: bytes, request: ExecRequest) -> Compiled:
         """`source` compiled for this slot's call: from the cache, or in a compile jail running as the
         slot's uid in a cgroup of the slot's own."""
-        assert self.compiler is not None and self._tree is not None
-        group = self._compile_groups.get(slot.index)
-        if group is None:
-            group = self._compile_groups[slot.index] = self._tree.group(f"slot{slot.index}-compile")
-        return await self.compiler.compile(source, request.preset, request.std, self.uid_base + slot.index, group)
+        assert self.compiler is not None
+        graders = {name: text.encode() for name, text in request.graders.items()} or None
+        return await self.compiler.compile(source, request.preset, request.std, self.uid_base + slot.index,
+                                           self._group(slot, "compile"), graders)
+
+    def _checker_uid(self, slot: Slot) -> int:
+        return self.uid_base + CHECKER_UIDS + slot.index % (FAMILY_UIDS - CHECKER_UIDS)
+
+    async def _checker(self, slot: Slot, spec: CheckerSpec) -> Prepared | CompileInfo:
+        """The problem's checker, ready to run for this slot's call (compiled once if it is C++)."""
+        assert self.checkers is not None
+        return await self.checkers.prepare(spec, self._checker_uid(slot), self._group(slot, "compile"))
 
     async def _judge(self, slot: Slot, zygote: CallJail, code: bytes, request: ExecRequest,
-                     limits: LimitValues) -> tuple[JudgeOutcome, str | None]:
+                     limits: LimitValues, checker: Prepared | None = None) -> tuple[JudgeOutcome, str | None]:
         """Judge a submission in this slot: its tests one by one, the submission prepared once
         (again only after a test that ended its process). Returns why the jail must be recycled."""
         assert request.judge is not None
@@ -517,7 +550,15 @@ class SlotPool:
             await slot.recycle(zygote, reason)
             return zygote
 
-        return await judge(zygote, code, request.judge, limits, total_wall_s, restart)
+        check = None
+        if checker is not None:
+            checkers, uid, group = self.checkers, self._checker_uid(slot), self._group(slot, "check")
+            assert checkers is not None
+
+            async def check(stdin: bytes, output: bytes, answer: bytes) -> Check:
+                return await checkers.check(checker, stdin, output, answer, uid, group)
+
+        return await judge(zygote, code, request.judge, limits, total_wall_s, restart, check)
 
     @staticmethod
     def _judged(judged: JudgeOutcome, wall_s: float) -> ExecResult:

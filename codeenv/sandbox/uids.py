@@ -52,8 +52,10 @@ DEFAULT_RANGE_START = 1_500_000_000
 #: and system users, whose processes could signal or trace a jail's, and the other way round.
 HOST_MIN_UID = 100_000
 #: A block's layout from its base: slots at 0..1023, session jails' roots (one per profile) from
-#: SESSION_ROOT_UIDS, session families (one uid each, up to sessions_max) from FAMILY_UIDS.
+#: SESSION_ROOT_UIDS, checkers (one per slot, the 512 first slots' own; beyond, shared) from
+#: CHECKER_UIDS, session families (one uid each, up to sessions_max) from FAMILY_UIDS.
 SESSION_ROOT_UIDS = 1024
+CHECKER_UIDS = 1536
 FAMILY_UIDS = 2048
 
 

@@ -253,6 +253,8 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
     if result.exit_code:
         return fail(TestStatus.error, message=f"exit code {result.exit_code}")
     if spec.fn_name is None:
+        if spec.checker is not None:  # the problem's checker decides (sandbox/judge.py): passed so far
+            return result
         actual = t.stdout.decode("utf-8", "replace")
         try:
             ok = same_output(actual, test.expected_stdout or "", spec.compare, spec.float_tol)
