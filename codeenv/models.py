@@ -190,6 +190,17 @@ def _check_source_files(code: str, files: dict[str, str], what: str) -> None:
         raise ValueError(f"the {what}'s source and files hold {size} bytes; the limit is {SOURCE_FILES_MAX_BYTES}")
 
 
+#: JSON Schema: a request that sets a field only C++ takes (preset, std, graders).
+CPP_FIELDS_SET: dict[str, Any] = {"anyOf": [
+    {"required": ["std"], "properties": {"std": {"type": "string"}}},
+    {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
+    {"required": ["graders"], "properties": {"graders": {"minProperties": 1}}},
+]}
+#: JSON Schema of the names of files compiled beside C++ code.
+SOURCE_FILE_NAMES: dict[str, Any] = {"propertyNames": {"pattern": SOURCE_FILE_PATTERN,
+                                                       "not": {"enum": ["solution.cpp", "solution"]}}}
+
+
 def _check_language(language: Language, preset: str | None, std: str | None) -> None:
     if language is not Language.cpp and (preset is not None or std is not None):
         raise ValueError("preset and std are for language cpp")
@@ -211,6 +222,12 @@ class ExecRequest(BaseModel):
         {"if": {"required": ["judge"], "properties": {"judge": {"type": "object"}}},
          "then": {"properties": {"stdin": {"maxLength": 0}, "files": {"maxProperties": 0},
                                  "fetch_files": {"maxItems": 0}}}},
+        # and what _check_language and _session_cell check of C++
+        {"if": CPP_FIELDS_SET, "then": {"required": ["language"], "properties": {"language": {"const": "cpp"}}}},
+        {"if": {"required": ["language"], "properties": {"language": {"const": "cpp"}}},
+         "then": {"properties": {"session": {"type": "null"}, "display_last": {"const": False},
+                                 "judge": {"anyOf": [{"type": "null"},
+                                                     {"properties": {"fn_name": {"type": "null"}}}]}}}},
     ]})
 
     code: Text
@@ -246,7 +263,8 @@ class ExecRequest(BaseModel):
     std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
     graders: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
                                      description="cpp: files compiled beside the code, by name (headers, an IOI "
-                                                 "task's grader and stub: C++ sources among them are linked with it)")
+                                                 "task's grader and stub: C++ sources among them are linked with it)",
+                                     json_schema_extra=SOURCE_FILE_NAMES)
 
     #: With `session`: who asks (the hash of the X-Codeenv-Session-Key the gateway received; b"" for
     #: in-process callers). Never on the wire: the gateway sets it from the request's header.
@@ -549,7 +567,8 @@ class CheckerSpec(BaseModel):
                           "cms, python for open_r1")
     files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
                                    description="files compiled beside the source, by name: headers such as testlib.h "
-                                               "(C++ sources among them are linked with it)")
+                                               "(C++ sources among them are linked with it)",
+                                   json_schema_extra=SOURCE_FILE_NAMES)
 
     @model_validator(mode="after")
     def _fits(self) -> CheckerSpec:
@@ -613,7 +632,8 @@ class JudgeRequest(BaseModel):
     std: CppStd | None = Field(None, description="cpp: the C++ standard (the preset's by default)")
     graders: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
                                      description="cpp: files compiled beside the code, by name (headers, an IOI "
-                                                 "task's grader and stub: C++ sources among them are linked with it)")
+                                                 "task's grader and stub: C++ sources among them are linked with it)",
+                                     json_schema_extra=SOURCE_FILE_NAMES)
     tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
     fn_name: Text | None = Field(None, max_length=256,
                                  description="function-call tests: the function, or method of class Solution")

@@ -8,7 +8,8 @@ trust"); a case marked `by_design` shows a forgery that path cannot stop, becaus
 the program's own process, and says which path to use instead.
 
 Verdicts:
-- ``judge_stdin``, ``judge_function`` (/v1/judge): ``"PASSED/TOTAL STATUS"``, e.g. ``"0/3 failed"``.
+- ``judge_stdin``, ``judge_function`` (/v1/judge): ``"PASSED/TOTAL STATUS"``, e.g. ``"0/3 failed"``;
+  ``judge_checker`` the same, the add problem decided by its own testlib-style checker (CHECKER).
 - ``run_code``, ``run_code_assert``, ``run_code_pytest`` (SandboxFusion /run_code, as verl, SkyRL and
   ROLL send it; assert-style is the solution with the test's asserts appended, verl's ``assert_case``):
   the answer's ``status`` (``Success``/``Failed``): what those clients reward.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PATHS = ("judge_stdin", "judge_function", "run_code", "run_code_assert", "run_code_pytest", "code_judge",
+PATHS = ("judge_stdin", "judge_function", "judge_checker", "run_code", "run_code_assert", "run_code_pytest", "code_judge",
          "router", "tool")
 
 
@@ -101,7 +102,39 @@ def _cpp(body: str, before: str = "") -> str:
     return f"{CPP_HEAD}{before}\nint main() {{\n{body}\n}}\n"
 
 
+#: The add problem's checker (testlib's protocol: input output answer; 0 AC, 1 WA, 2 PE): exactly one
+#: integer, the answer's.
+CHECKER = r"""#include <cstdio>
+#include <fstream>
+#include <string>
+int main(int argc, char** argv) {
+    std::ifstream out(argv[2]), ans(argv[3]);
+    long long got, want; std::string extra;
+    ans >> want;
+    if (!(out >> got)) { std::fprintf(stderr, "expected an integer"); return 2; }
+    if (out >> extra) { std::fprintf(stderr, "extra output"); return 2; }
+    if (got != want) { std::fprintf(stderr, "wrong sum"); return 1; }
+    std::fprintf(stderr, "ok");
+    return 0;
+}
+"""
+
+
 HACKS: list[Hack] = [
+    # --- a problem's own checker decides (/v1/judge with checker) ----------------------------------------
+    Hack("honest add", "judge_checker", "a, b = map(int, input().split())\nprint(a + b)", "3/3 passed"),
+    Hack("exit(0) before printing", "judge_checker", "import sys\nsys.exit(0)", "0/3 failed"),
+    Hack("says the checker's ok on stderr", "judge_checker", "import sys\nsys.stderr.write('ok')", "0/3 failed"),
+    Hack("prints the answer file where the checker will read it", "judge_checker",
+         "import glob\nfor p in glob.glob('/work/check/*') + glob.glob('/work/*'):\n    print(open(p).read())",
+         "0/3 failed"),
+    Hack("a number past the checker's integers", "judge_checker", "print('9' * 100000)", "0/3 failed"),
+    Hack("the sum, then more", "judge_checker", "a, b = map(int, input().split())\nprint(a + b, 'ok')", "0/3 failed"),
+    Hack("kills its parent, then answers", "judge_checker",
+         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\na, b = map(int, input().split())\nprint(a + b)",
+         "3/3 passed"),
+    Hack("C++: exit(0) from a static constructor", "judge_checker", _cpp("", "struct Q { Q() { _exit(0); } } q;"),
+         "0/3 failed", language="cpp"),
     # --- C++: /v1/judge, SandboxFusion's /run_code and code-judge ---------------------------------------
     Hack("honest add", "judge_stdin", _cpp(CPP_ADD), "3/3 passed", language="cpp"),
     Hack("exit(0) before printing", "judge_stdin", _cpp("exit(0);"), "0/3 failed", language="cpp"),

@@ -28,6 +28,7 @@ from tests.conftest import pool_app, serving
 from tests.parity import PRIVATE, Submission, run_alone
 from tests.reward_hacks import (
     ADD_TESTS,
+    CHECKER,
     EVEN_TESTS,
     HACKS,
     PATHS,
@@ -67,8 +68,11 @@ def judge_body(hack: Hack) -> dict[str, Any]:
 
 async def verdict(c: httpx.AsyncClient, hack: Hack) -> str:
     """The verdict `hack` gets on its path, in that path's own terms (see tests/reward_hacks.py)."""
-    if hack.path in ("judge_stdin", "judge_function"):
-        r = await post(c, "/v1/judge", judge_body(hack))
+    if hack.path in ("judge_stdin", "judge_function", "judge_checker"):
+        body = judge_body(hack)
+        if hack.path == "judge_checker":
+            body["checker"] = {"type": "testlib", "code": CHECKER}
+        r = await post(c, "/v1/judge", body)
         faults = [t for t in r["tests"] if t["status"] == "internal_error"]
         assert not faults and r["status"] not in SERVICE_FAULTS, r
         return f"{r['passed']}/{r['total']} {r['status']}"

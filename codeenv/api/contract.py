@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from codeenv.models import FN_NAME_PATTERN
+from codeenv.models import CPP_FIELDS_SET, FN_NAME_PATTERN
 from codeenv.settings import GatewaySettings
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -59,9 +59,18 @@ PATH_PATTERN = r"^(?!\.\.?(?:/|$))[^/\x00]+(?:/(?!\.\.?(?:/|$))[^/\x00]+)*$"
 PATH = {"type": "string", "pattern": PATH_PATTERN, "maxLength": 1024}
 #: Base64 as base64.b64decode(validate=True) takes it.
 BASE64 = {"type": "string", "pattern": r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"}
+#: The judge's language cpp, in any case.
+CPP = "^[Cc][Pp][Pp]$"
 #: A judged submission's tests, as _check_tests takes them: stdin tests without fn_name (stdin and
 #: expected_stdout, no args or expected), function-call tests with it (args and expected, no stdin).
 JUDGE_TESTS = {"allOf": [
+    # C++ (models.JudgeRequest._supported): preset, std and graders only with it; stdin tests only
+    {"if": CPP_FIELDS_SET, "then": {"required": ["language"], "properties": {"language": {"pattern": CPP}}}},
+    {"if": {"required": ["language"], "properties": {"language": {"pattern": CPP}}},
+     "then": {"properties": {"fn_name": {"type": "null"}}}},
+    # a checker judges stdin tests
+    {"if": {"required": ["checker"], "properties": {"checker": {"type": "object"}}},
+     "then": {"properties": {"fn_name": {"type": "null"}}}},
     {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
      "then": {"properties": {"tests": {"items": {"required": ["expected"],
                                                   "not": {"anyOf": [{"required": ["stdin"]},

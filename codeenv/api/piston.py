@@ -139,9 +139,10 @@ class PistonRuntime(BaseModel):
 
 
 class PistonRefusal(BaseModel):
-    """Piston's refusal (`message`; `detail` says the same, as codeenv's other errors do)."""
+    """Piston's refusal (`message`; `detail` says the same, as codeenv's other errors do; a body that is
+    not JSON is refused before the route, with `detail` only)."""
 
-    message: str
+    message: str = ""
     detail: str
 
 
