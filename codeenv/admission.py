@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from codeenv.errors import InvalidRequest, LimitExceedsCap
-from codeenv.models import RETURNED_BYTES, ExecRequest, JudgeRequest, Limits, LimitValues
+from codeenv.models import RETURNED_BYTES, ExecRequest, JudgeRequest, JudgeTest, Limits, LimitValues
 
 if TYPE_CHECKING:
     from codeenv.settings import SandboxSettings
@@ -173,17 +173,10 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
     """
     spec = request.judge
     assert spec is not None
-    tests = spec.tests
-    if len(tests) > settings.judge_max_tests:
-        raise InvalidRequest(f"{len(tests)} tests; the limit is {settings.judge_max_tests}")
-    size = 0
-    for test in tests:
-        if spec.fn_name is None:
-            size += len((test.stdin or "").encode()) + len((test.expected_stdout or "").encode())
-        else:
-            size += len(json.dumps(test.args or [])) + len(json.dumps(test.expected))
-        if size > settings.judge_max_bytes:
-            raise InvalidRequest(f"the tests hold more than {settings.judge_max_bytes} bytes")
+    count = spec.count
+    if count > settings.judge_max_tests:
+        raise InvalidRequest(f"{count} tests; the limit is {settings.judge_max_tests}")
+    check_tests_size(spec.tests, spec.fn_name, settings.judge_max_bytes)
     if request.files or request.fetch_files or request.stdin:
         raise InvalidRequest("a judged call has no stdin, files or fetch_files of its own: tests carry the input")
     check_code_size(request.code.encode("utf-8"), settings)
@@ -202,14 +195,26 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
     if total is not None and total > settings.judge_max_total_wall_s:
         raise LimitExceedsCap("total_wall_s", total, settings.judge_max_total_wall_s)
     if total is None:
-        total = min(len(tests) * (wall + 1), settings.judge_max_total_wall_s)
+        total = min(count * (wall + 1), settings.judge_max_total_wall_s)
     return limits, total
+
+
+def check_tests_size(tests: list[JudgeTest], fn_name: str | None, max_bytes: int) -> None:
+    """InvalidRequest when the tests' inputs and expected answers hold more than `max_bytes`."""
+    size = 0
+    for test in tests:
+        if fn_name is None:
+            size += len((test.stdin or "").encode()) + len((test.expected_stdout or "").encode())
+        else:
+            size += len(json.dumps(test.args or [])) + len(json.dumps(test.expected))
+        if size > max_bytes:
+            raise InvalidRequest(f"the tests hold more than {max_bytes} bytes")
 
 
 def answer_bytes(request: ExecRequest, settings: SandboxSettings) -> int:
     """The most output a call's result may carry: stdout and stderr at its output cap (in the bytes
     of their JSON), or for a judged call 3 x RETURNED_BYTES per test (its streams and value)."""
     if request.judge is not None:
-        return 3 * RETURNED_BYTES * len(request.judge.tests)
+        return 3 * RETURNED_BYTES * request.judge.count
     asked = request.limits.output_bytes
     return 2 * (asked if asked is not None else settings.defaults.output_bytes)

@@ -6,12 +6,14 @@ Hierarchy::
 
     CodeenvError                 base of everything codeenv raises on purpose
     ├── InvalidRequest           the caller's request cannot be run as sent (HTTP 422)
-    │   └── LimitExceedsCap      a requested limit is above the server's configured cap
+    │   ├── LimitExceedsCap      a requested limit is above the server's configured cap
+    │   └── ProblemUnknown       it names a problem package not held here (HTTP 409: upload it, retry)
     ├── ApiError                 an HTTP request the gateway answers with an error status
     ├── ImageError               a sandbox image is missing, malformed or failed to build
     ├── SandboxError             the sandbox machinery itself failed (nsjail, cgroups, a zygote)
     │   └── ZygoteDied           a zygote (or its nsjail) is gone; says whether its call had started
     ├── SessionError             a session request cannot be served; its `kind` says why
+    ├── ProblemUnavailable       a problem package could not be fetched from where it was uploaded
     ├── PoolClosed               the slot pool is not running (not started, or shutting down)
     ├── PoolFailed               the pool process of `serve --processes N` kept dying: serve gives up
     ├── QueueUnavailable         the queue (Redis, the host's pool process) cannot be reached now
@@ -33,7 +35,22 @@ class CodeenvError(Exception):
 
 
 class InvalidRequest(CodeenvError, ValueError):
-    """The request cannot be run as sent; the message says what to fix."""
+    """The request cannot be run as sent; the message says what to fix. `refusal`: its kind, as
+    `models.Refusal` names it."""
+
+    refusal = "invalid"
+
+
+class ProblemUnknown(InvalidRequest):
+    """A judged call names a problem package that is not held where it was sent: upload it
+    (PUT /v1/problems/{sha256}) and send the call again."""
+
+    refusal = "problem_unknown"
+
+    def __init__(self, sha256: str, why: str = "") -> None:
+        super().__init__(f"problem_unknown: problem {sha256} is not held here{why}: upload its package with PUT "
+                         f"/v1/problems/{sha256} and send the request again")
+        self.sha256 = sha256
 
 
 class LimitExceedsCap(InvalidRequest):
@@ -81,6 +98,11 @@ class ApiError(CodeenvError):
         self.status_code = status_code
         self.detail = detail
         self.headers = headers
+
+
+class ProblemUnavailable(CodeenvError):
+    """A worker could not fetch a problem package from the gateway that holds it (unreachable, an
+    answer other than the package): a service fault, not the caller's."""
 
 
 class PoolFailed(CodeenvError):

@@ -58,6 +58,7 @@ class Refusal(StrEnum):
     invalid = "invalid"  # the request cannot be run as sent (its message says what to fix)
     no_session = "no_session"  # it names a session that never existed here (or is another caller's)
     id_taken = "id_taken"  # its client id already names a different call
+    problem_unknown = "problem_unknown"  # it names a problem package not uploaded here (PUT /v1/problems/{sha256})
 
 
 #: Verdicts that are the program's doing (a tool error, from the model's point of view).
@@ -593,13 +594,61 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
                              "stdin or expected_stdout")
 
 
-class JudgeSpec(BaseModel):
-    """What makes a call a judged one: the tests and how to compare. Carried inside an ExecRequest
-    (`judge`) from the gateway to the worker; expected answers stay with the worker, never in the jail."""
+#: A problem package's name: the sha256 of its body, in lower-case hex.
+PROBLEM_SHA256 = r"^[0-9a-f]{64}$"
+
+
+class ProblemPackage(BaseModel):
+    """A problem uploaded once (PUT /v1/problems/{sha256}, its name the sha256 of this JSON body) and
+    judged by reference: `/v1/judge` with `problem` instead of the tests."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        {"tests": [{"stdin": "21", "expected_stdout": "42"}, {"stdin": "0", "expected_stdout": "0"}],
+         "limits": {"cpu_s": 1, "memory_mb": 256}},
+    ]})
+
+    tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
+    fn_name: Text | None = Field(None, max_length=256,
+                                 description="function-call tests: the function, or method of class Solution")
+    compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
+    float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False, description="relative tolerance of compare=float")
+    checker: CheckerSpec | None = Field(None, description="stdin tests: the problem's own checker")
+    graders: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
+                                     description="files compiled beside a C++ submission (an IOI task's grader and "
+                                                 "stub, headers)", json_schema_extra=SOURCE_FILE_NAMES)
+    limits: Limits = Field(default_factory=Limits, description="the problem's per-test limits (a request's own "
+                                                               "limits override them, field by field)")
+    total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                       description="wall-clock seconds for all tests (unless the request says)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> ProblemPackage:
+        if self.checker is not None and self.fn_name is not None:
+            raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
+        _check_tests(self.tests, self.fn_name, as_sent=True)
+        _check_source_files("", self.graders, "problem")
+        return self
+
+
+class ProblemRef(BaseModel):
+    """A problem judged by reference, as it travels to the worker: its name, how many tests it has
+    (the gateway's admission counts them), and where the worker fetches it when its disk lacks it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    tests: list[JudgeTest] = Field(min_length=1)
+    sha256: str = Field(pattern=PROBLEM_SHA256)
+    tests: int = Field(0, ge=0)
+    url: str | None = None
+
+
+class JudgeSpec(BaseModel):
+    """What makes a call a judged one: the tests and how to compare. Carried inside an ExecRequest
+    (`judge`) from the gateway to the worker; expected answers stay with the worker, never in the jail.
+    A problem judged by reference travels as `problem` without tests: the worker fills them in."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tests: list[JudgeTest] = Field(default_factory=list)
     fn_name: Text | None = Field(None, max_length=256)
     compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
@@ -607,11 +656,25 @@ class JudgeSpec(BaseModel):
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     language: Language = Field(Language.python, strict=False)  # its name, from JSON
     checker: CheckerSpec | None = None
+    problem: ProblemRef | None = None
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
+        if not self.tests and self.problem is None:
+            raise ValueError("a judged call has tests, or a problem that holds them")
+        if self.tests and self.problem is not None:
+            raise ValueError("a judged call has tests or a problem that holds them, not both")
         _check_tests(self.tests, self.fn_name, as_sent=False)
         return self
+
+    @property
+    def count(self) -> int:
+        """How many tests it runs (a problem's before the worker has filled them in)."""
+        return self.problem.tests if self.problem is not None and not self.tests else len(self.tests)
+
+
+#: What a problem's package holds, which a request judged by reference does not send.
+PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders"})
 
 
 class JudgeRequest(BaseModel):
@@ -634,13 +697,19 @@ class JudgeRequest(BaseModel):
                                      description="cpp: files compiled beside the code, by name (headers, an IOI "
                                                  "task's grader and stub: C++ sources among them are linked with it)",
                                      json_schema_extra=SOURCE_FILE_NAMES)
-    tests: list[JudgeTest] = Field(min_length=1, description="stdin tests, or function-call tests with fn_name")
+    tests: list[JudgeTest] | None = Field(None, min_length=1,
+                                          description="stdin tests, or function-call tests with fn_name (or problem)")
+    problem: str | None = Field(None, pattern=PROBLEM_SHA256,
+                                description="instead of tests: a problem package uploaded with PUT "
+                                            "/v1/problems/{sha256} (its tests, checker, graders and limits); 409 "
+                                            "problem_unknown where it is not held: upload it and send again")
     fn_name: Text | None = Field(None, max_length=256,
                                  description="function-call tests: the function, or method of class Solution")
     compare: Compare = Field(Compare.lines, strict=False)  # its name, from JSON
     float_tol: float = Field(1e-6, ge=0, allow_inf_nan=False, description="relative tolerance of compare=float")
     stop_on_failure: bool = Field(False, description="skip every test after the first failure (as a sequential run)")
-    limits: Limits = Field(default_factory=Limits, description="per test; wall_s defaults to 3 x cpu_s + 1")
+    limits: Limits = Field(default_factory=Limits, description="per test; wall_s defaults to 3 x cpu_s + 1 (with a "
+                                                               "problem: its limits, these override them)")
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="wall-clock seconds for all tests")
     id: Text | None = Field(None, max_length=128, description="the caller's call id")
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
@@ -656,7 +725,15 @@ class JudgeRequest(BaseModel):
             raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
         if self.interactive:
             raise ValueError("interactive problems are not supported yet")
-        _check_tests(self.tests, self.fn_name, as_sent=True)
+        if self.problem is not None:
+            inline = sorted(PROBLEM_FIELDS & self.model_fields_set)
+            if inline:
+                raise ValueError(f"a problem's package holds its {', '.join(inline)}: send them in the package "
+                                 "(PUT /v1/problems/{sha256}), not with problem")
+        elif self.tests is None:
+            raise ValueError("send the tests, or a problem that holds them")
+        else:
+            _check_tests(self.tests, self.fn_name, as_sent=True)
         if self.language.lower() not in JUDGE_LANGUAGES:
             raise ValueError(f"language {self.language!r} is not supported; the judge runs "
                              f"{', '.join(JUDGE_LANGUAGES)}")
@@ -670,9 +747,10 @@ class JudgeRequest(BaseModel):
     def to_call(self) -> ExecRequest:
         """The call that judges this submission (what travels through the queue to a worker)."""
         language = Language(self.language.lower())
-        spec = JudgeSpec(tests=self.tests, fn_name=self.fn_name, compare=self.compare, float_tol=self.float_tol,
-                         stop_on_failure=self.stop_on_failure, total_wall_s=self.total_wall_s, language=language,
-                         checker=self.checker)
+        spec = JudgeSpec(tests=self.tests or [], fn_name=self.fn_name, compare=self.compare,
+                         float_tol=self.float_tol, stop_on_failure=self.stop_on_failure,
+                         total_wall_s=self.total_wall_s, language=language, checker=self.checker,
+                         problem=None if self.problem is None else ProblemRef(sha256=self.problem))
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
                            language=language, preset=self.preset, std=self.std, graders=self.graders)
 
@@ -739,13 +817,15 @@ class JudgeResult(BaseModel):
     wall_s: float = 0.0
     worker: str = ""
     message: str | None = None
+    refusal: Refusal | None = Field(None, description="why a `rejected` submission was refused: invalid, or "
+                                                      "problem_unknown (upload the problem's package and send again)")
 
     @classmethod
     def from_call(cls, result: ExecResult) -> JudgeResult:
         """The JudgeResult of a judged call's result."""
         judged = result.judge
         common: dict[str, Any] = {"id": result.id, "queue_s": result.queue_s, "wall_s": result.wall_s,
-                                  "worker": result.worker, "message": result.message}
+                                  "worker": result.worker, "message": result.message, "refusal": result.refusal}
         if result.status in (Status.rejected, Status.overloaded, Status.internal_error) or judged is None:
             status = {Status.rejected: JudgeStatus.rejected, Status.overloaded: JudgeStatus.overloaded}.get(
                 result.status, JudgeStatus.internal_error)

@@ -148,6 +148,11 @@ class SandboxSettings(BaseSettings):
     cpp_compile_memory_mb: int = Field(2048, ge=256, description="memory a compile may take")
     cpp_binary_mb: int = Field(64, ge=1, le=1024, description="the largest binary a compile may write")
     cpp_cache_mb: int = Field(1024, ge=0, description="the compile cache's size on disk (0: no cache)")
+    problem_dir: Path | None = Field(None, description="where problem packages are kept (default: state_dir/problems; "
+                                     "every process of one host may share it)")
+    problem_cache_mb: int = Field(4096, ge=1, description="problem packages kept on disk; the least recently used "
+                                                          "are removed past it")
+    problem_max_mb: int = Field(256, ge=1, description="the largest problem package (PUT /v1/problems: 413 above it)")
 
     @field_validator("uid_base", "uid_range_start", mode="before")
     @classmethod
@@ -225,6 +230,10 @@ class GatewaySettings(QueueSettings):
         default_factory=list, description="web origins (scheme://host[:port]) whose pages may call the service",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body (HTTP 413 above it)")
+    public_url: str | None = Field(None, pattern=r"^https?://[^/?#]+/?$",
+                                   description="this gateway's address as its workers reach it: they fetch the "
+                                               "problem packages uploaded here from it (default: the address a "
+                                               "judge request came to)")
     body_timeout_s: float = Field(30, gt=0, le=3600, allow_inf_nan=False,
                                   description="a request body not all received this long after its request began "
                                               "is answered 408 and its connection closed (a stalled client holds "

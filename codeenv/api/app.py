@@ -23,7 +23,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from codeenv.api import compat, contract, judging, native, nemo, piston, routers, sessions
+from codeenv.api import compat, contract, judging, native, nemo, piston, problems, routers, sessions
 from codeenv.api.body import BodyParser, return_large_frees
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
@@ -117,6 +117,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             if worker is not None:
                 await stopping.worker_stopped()
             await parser.close()
+            await gateway.problems.close()
             metrics.process_exit()
 
     # /docs (Swagger UI) and /redoc load their scripts and styles from DOCS_ASSETS, served here from
@@ -127,7 +128,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
                        | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS
                        | piston.JSON_PATHS,
-                       json_route=sessions.is_json_route, parser=parser)
+                       json_route=sessions.is_json_route, parser=parser, ticketed=problems.ticketed(gateway))
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
@@ -147,7 +148,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     # request walks through (measured: +14% Python calls per /v1/execute, +38% per /run_code).
     for api in (native.router(gateway), judging.router(gateway), compat.code_judge_router(gateway),
                 compat.sandbox_fusion_router(gateway), routers.router(gateway), sessions.router(gateway),
-                nemo.router(gateway), piston.router(gateway)):
+                nemo.router(gateway), piston.router(gateway), problems.router(gateway)):
         app.router.routes.extend(api.routes)
 
     def openapi() -> dict[str, Any]:
@@ -160,7 +161,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                           SessionCreate, SessionCell, SessionFork, SnapshotCreate,
                           compat.Submission, compat.BatchSubmission,
                           compat.RunCodeRequest, routers.ScriptBatch, nemo.NemoExecute, nemo.NemoError,
-                          piston.PistonExecute):
+                          piston.PistonExecute, *problems.MODELS):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js

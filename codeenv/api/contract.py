@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from codeenv.models import CPP_FIELDS_SET, FN_NAME_PATTERN
+from codeenv.models import CPP_FIELDS_SET, FN_NAME_PATTERN, PROBLEM_FIELDS
 from codeenv.settings import GatewaySettings
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -64,6 +64,11 @@ CPP = "^[Cc][Pp][Pp]$"
 #: A judged submission's tests, as _check_tests takes them: stdin tests without fn_name (stdin and
 #: expected_stdout, no args or expected), function-call tests with it (args and expected, no stdin).
 JUDGE_TESTS = {"allOf": [
+    # the tests, or a problem that holds them (and then none of what its package holds)
+    {"anyOf": [{"required": ["tests"], "properties": {"tests": {"type": "array"}}},
+               {"required": ["problem"], "properties": {"problem": {"type": "string"}}}]},
+    {"if": {"required": ["problem"], "properties": {"problem": {"type": "string"}}},
+     "then": {"not": {"anyOf": [{"required": [name]} for name in sorted(PROBLEM_FIELDS)]}}},
     # C++ (models.JudgeRequest._supported): preset, std and graders only with it; stdin tests only
     {"if": CPP_FIELDS_SET, "then": {"required": ["language"], "properties": {"language": {"pattern": CPP}}}},
     {"if": {"required": ["language"], "properties": {"language": {"pattern": CPP}}},

@@ -45,9 +45,12 @@ class Guard:
     """
 
     def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str],
-                 json_route: Callable[[str, str], bool] | None = None, parser: BodyParser | None = None) -> None:
+                 json_route: Callable[[str, str], bool] | None = None, parser: BodyParser | None = None,
+                 ticketed: Callable[[dict[str, Any]], bool] | None = None) -> None:
         """`json_route(method, path)`: also a route that takes JSON (paths with ids in them);
-        `parser`: what parses the bodies (its owner closes it)."""
+        `parser`: what parses the bodies (its owner closes it); `ticketed(scope)`: a request that
+        carries a ticket standing for the token (a worker's fetch of one problem package)."""
+        self.ticketed = ticketed
         self.app = app
         self.parser = parser or BodyParser()
         self.settings = settings
@@ -68,7 +71,7 @@ class Guard:
             self._check_browser(headers, scope.get("scheme", "http"))
             if self.expected is not None:
                 given = headers.get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
+                if not hmac.compare_digest(given, self.expected) and not (self.ticketed and self.ticketed(scope)):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'"
                                         + (DOCS_HINT if scope["path"] in DOCS_PATHS
                                            or scope["path"].startswith("/docs/") else ""))

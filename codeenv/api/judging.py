@@ -53,7 +53,8 @@ def router(gateway: Gateway) -> APIRouter:
     settings = gateway.settings
 
     @api.post("/v1/judge", response_model=JudgeResult, openapi_extra=body_schema("JudgeRequest"),
-              responses={409: {"description": "its id names another call: use a new id"},
+              responses={409: {"description": "its id names another call: use a new id; or problem_unknown: its "
+                                              "problem is not held here (upload it, send again)"},
                          422: {"description": "the request cannot be judged as sent"},
                          429: {"model": JudgeResult, "description": "overloaded (not run): retry after Retry-After "
                                                                     "seconds"}})

@@ -22,6 +22,7 @@ from codeenv.api.guard import ACCEPTED, JSON_BODY
 from codeenv.api.metrics import Metrics
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Refusal, Status
+from codeenv.problems import ProblemStore
 from codeenv.queue.base import CallQueue, SessionService
 from codeenv.settings import GatewaySettings
 
@@ -91,11 +92,11 @@ def split_batch(request: Request, max_batch: int, call: Callable[[Any], ExecRequ
         except ValidationError as exc:
             refused.append(rejected(item, exc))
         except InvalidRequest as exc:
-            refused.append(rejected(item, str(exc)))
+            refused.append(rejected(item, str(exc), Refusal(exc.refusal)))
     return valid, refused
 
 
-def rejected(item: Any, why: ValidationError | str) -> ExecResult:
+def rejected(item: Any, why: ValidationError | str, refusal: Refusal = Refusal.invalid) -> ExecResult:
     """The `rejected` answer to one invalid item of a batch, under its id if it has a usable one."""
     call_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
     if call_id is not None:
@@ -104,7 +105,7 @@ def rejected(item: Any, why: ValidationError | str) -> ExecResult:
         except UnicodeEncodeError:  # e.g. a lone surrogate: nothing could send it back
             call_id = None
     message = why if isinstance(why, str) else json.dumps(validation_errors(why))
-    return ExecResult(id=call_id, status=Status.rejected, refusal=Refusal.invalid, message=message)
+    return ExecResult(id=call_id, status=Status.rejected, refusal=refusal, message=message)
 
 
 def merge(refused: Iterable[ExecResult | None], ran: Iterable[ExecResult]) -> list[ExecResult]:
@@ -139,22 +140,27 @@ class Gateway:
         self.settings = settings
         self.queue = queue
         self.metrics = metrics
+        self.problems = ProblemStore.from_settings(settings)  # packages uploaded here
         # A queue written before CallQueue had `sessions` (e.g. a test's own fake) runs none.
         self.sessions: SessionService | None = getattr(queue, "sessions", None)
 
-    def admit(self, calls: list[ExecRequest]) -> list[ExecResult | None] | None:
+    def admit(self, calls: list[ExecRequest], base_url: str) -> list[ExecResult | None] | None:
         """Each call checked against this gateway's settings (the one admission on this side): None
-        when every call is admitted, else per call its `rejected` result or None."""
+        when every call is admitted, else per call its `rejected` result or None. A call judged by
+        reference learns its problem's test count and where its worker fetches it (this gateway, at
+        `public_url` or else `base_url`), or is refused problem_unknown."""
         refused: list[ExecResult | None] | None = None
         for index, call in enumerate(calls):
             try:
                 if call.session is not None and self.sessions is None:
                     raise InvalidRequest(NO_SESSIONS.format(queue=type(self.queue).__name__))
+                if call.judge is not None and call.judge.problem is not None:
+                    self.problems.refer(call.judge, self.settings.public_url or base_url)
                 check(call, self.settings)
             except InvalidRequest as exc:
                 if refused is None:
                     refused = [None] * len(calls)
-                refused[index] = ExecResult(id=call.id, status=Status.rejected, refusal=Refusal.invalid,
+                refused[index] = ExecResult(id=call.id, status=Status.rejected, refusal=Refusal(exc.refusal),
                                             message=str(exc))
         return refused
 
@@ -172,7 +178,7 @@ class Gateway:
         bind_owner(request, requests)
         if not requests:
             return []
-        refused = self.admit(requests)
+        refused = self.admit(requests, str(request.base_url))
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
         self.bound_answer(valid)
         self.metrics.in_flight.inc(len(requests))
@@ -208,7 +214,7 @@ class Gateway:
         once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
         end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
         bind_owner(request, valid)
-        more = self.admit(valid)
+        more = self.admit(valid, str(request.base_url))
         if more is not None:  # refused here: answered in their place in the batch
             unrefused = [i for i, item in enumerate(refused) if item is None]
             for index, item in zip(unrefused, more, strict=True):

@@ -29,7 +29,7 @@ SESSION_CELL: Mapping[Status, int] = {**NATIVE, Status.session_lost: 410}
 
 #: A refused call answered alone, by why it was refused (an older worker's refusal says nothing: 422).
 REFUSALS: Mapping[Refusal | None, int] = {Refusal.invalid: 422, Refusal.no_session: 404, Refusal.id_taken: 409,
-                                           None: 422}
+                                           Refusal.problem_unknown: 409, None: 422}
 
 #: A session request the engine cannot serve, by the kind of its SessionError.
 SESSION_ERRORS: Mapping[SessionErrorKind, int] = {

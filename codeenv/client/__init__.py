@@ -12,6 +12,7 @@ Usage::
 """
 
 from codeenv.client._async import AsyncClient
+from codeenv.client._problem import Problem
 from codeenv.client._session import AsyncSession, AsyncSnapshot, Recorder
 from codeenv.client._sync import Client, Session, Snapshot
 from codeenv.client.errors import (
@@ -36,6 +37,7 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "JudgeResult",
+    "Problem",
     "Recorder",
     "RequestRejected",
     "ServerError",

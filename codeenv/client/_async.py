@@ -15,6 +15,7 @@ from typing import Any, overload
 
 import httpx
 
+from codeenv.client._problem import Problem
 from codeenv.client._session import (
     AsyncSnapshot,
     ForksStarter,
@@ -31,6 +32,7 @@ from codeenv.models import (
     JudgeRequest,
     JudgeResult,
     Limits,
+    Refusal,
     SessionInfo,
     SnapshotInfo,
     Status,
@@ -182,21 +184,56 @@ class AsyncClient:
             ledger.record(result)
         return result
 
-    async def judge(self, code: str, tests: Sequence[Mapping[str, Any]], *, fn_name: str | None = None,
-                    compare: str = "lines", float_tol: float = 1e-6, stop_on_failure: bool = False,
-                    limits: Mapping[str, Any] | None = None, total_wall_s: float | None = None,
-                    id: str | None = None, deadline_s: float | None = None, language: str = "python",
-                    preset: str | None = None, std: str | None = None) -> JudgeResult:
+    async def judge(self, code: str, tests: Sequence[Mapping[str, Any]] | None = None, *,
+                    problem: Problem | str | None = None, fn_name: str | None = None, compare: str = "lines",
+                    float_tol: float = 1e-6, stop_on_failure: bool = False, limits: Mapping[str, Any] | None = None,
+                    total_wall_s: float | None = None, id: str | None = None, deadline_s: float | None = None,
+                    language: str = "python", preset: str | None = None, std: str | None = None) -> JudgeResult:
         """Run a submission against a problem's tests in one call (micro-batched like run()); see
         /v1/judge. `tests`: {"stdin", "expected_stdout"} each, or {"args", "expected"} with `fn_name`.
+        Or `problem`: a Problem (or the sha256 of one uploaded before), judged by reference: where the
+        service does not hold it (problem_unknown), a Problem is uploaded and the call sent once more.
         `language` "cpp": C++ compiled once with `preset` (codeforces, ioi or plain) and `std`.
         A bad request raises pydantic's ValidationError here, or comes back `rejected`."""
-        request = JudgeRequest.model_validate({
-            "code": code, "language": language, "tests": list(tests), "fn_name": fn_name, "compare": compare,
-            "float_tol": float_tol, "stop_on_failure": stop_on_failure, "limits": dict(limits or {}),
-            "total_wall_s": total_wall_s, "id": id or uuid.uuid4().hex, "deadline_s": deadline_s,
-            "preset": preset, "std": std})
-        return JudgeResult.from_call(await self.submit(request.to_call()))
+        fields: dict[str, Any] = {"code": code, "language": language, "stop_on_failure": stop_on_failure,
+                                  "limits": dict(limits or {}), "total_wall_s": total_wall_s,
+                                  "id": id or uuid.uuid4().hex, "deadline_s": deadline_s, "preset": preset, "std": std}
+        if problem is None:
+            fields.update(tests=None if tests is None else list(tests), fn_name=fn_name, compare=compare,
+                          float_tol=float_tol)
+        elif tests is not None or fn_name is not None:
+            raise ValueError("a problem holds its tests (and fn_name): pass tests or problem, not both")
+        else:
+            fields["problem"] = problem if isinstance(problem, str) else problem.sha256
+        call = JudgeRequest.model_validate(fields).to_call()
+        result = await self.submit(call)
+        if result.refusal is Refusal.problem_unknown and isinstance(problem, Problem):
+            await self.upload_problem(problem)
+            # The first call never ran (refused before the queue, or by a worker that could not fetch
+            # the package): sent again under a new id, answered under the caller's.
+            result = await self.submit(call.model_copy(update={"id": uuid.uuid4().hex}))
+            result.id = call.id
+        return JudgeResult.from_call(result)
+
+    async def upload_problem(self, problem: Problem) -> dict[str, Any]:
+        """PUT the problem's package (idempotent: the same package again changes nothing); the
+        service's answer: sha256, tests, bytes, created. RequestRejected for a package it refuses."""
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        self.requests_sent += 1
+        try:
+            response = await self._http.put(f"/v1/problems/{problem.sha256}", content=problem.body,
+                                            timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"the service could not be reached: {exc!r}") from exc
+        if 400 <= response.status_code < 500:
+            raise RequestRejected(f"the service refused the problem ({response.status_code}): {_detail(response)}",
+                                  response.status_code)
+        if response.status_code >= 300:
+            raise ServerError(f"the service answered {response.status_code}: {_detail(response)}",
+                              response.status_code)
+        answer: dict[str, Any] = response.json()
+        return answer
 
     async def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
         """Run many programs concurrently; results in the same order. Items may be code strings,

@@ -8,6 +8,7 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from codeenv.client._async import AsyncClient, check_base_url
+from codeenv.client._problem import Problem
 from codeenv.client._session import AsyncSession, AsyncSnapshot, Recorder
 from codeenv.models import ExecRequest, ExecResult, JudgeResult
 
@@ -47,9 +48,13 @@ class Client:
                                            deadline_s=deadline_s, files=files, fetch_files=fetch_files, ledger=ledger,
                                            display_last=display_last))
 
-    def judge(self, code: str, tests: Sequence[Mapping[str, Any]], **options: Any) -> JudgeResult:
+    def judge(self, code: str, tests: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> JudgeResult:
         """AsyncClient.judge, blocking."""
         return self._call(self._client.judge(code, tests, **options))
+
+    def upload_problem(self, problem: Problem) -> dict[str, Any]:
+        """AsyncClient.upload_problem, blocking."""
+        return self._call(self._client.upload_problem(problem))
 
     def run_many(self, requests: Iterable[ExecRequest | str | Mapping[str, Any]]) -> list[ExecResult]:
         return self._call(self._client.run_many(list(requests)))

@@ -304,7 +304,7 @@ class EmbeddedQueue:
             return await self.pool.run(request, on_dispatch=on_dispatch, accepted_at=accepted,
                                        before_start=before_start)
         except InvalidRequest as exc:
-            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, started=False,
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal(exc.refusal), started=False,
                               message=str(exc))
         except PoolClosed as exc:
             return ExecResult(id=request.id, status=Status.overloaded, started=False, message=str(exc))

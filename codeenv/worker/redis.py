@@ -410,7 +410,7 @@ class StreamWorker:
             return ExecResult(id=request.id, status=Status.killed, started=True,
                               message="the worker stopped before the call ended (its grace period was over)")
         except InvalidRequest as exc:  # admitted here too: the caps of the worker that runs it decide
-            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
+            return ExecResult(id=request.id, status=Status.rejected, refusal=Refusal(exc.refusal), message=str(exc))
         except PoolClosed:
             return None  # stopping: a reclaimer answers it (or it was handed back)
         finally:
@@ -511,7 +511,7 @@ class StreamWorker:
         try:
             result = await self.pool.run(request)
         except InvalidRequest as exc:
-            result = ExecResult(id=request.id, status=Status.rejected, refusal=Refusal.invalid, message=str(exc))
+            result = ExecResult(id=request.id, status=Status.rejected, refusal=Refusal(exc.refusal), message=str(exc))
         except PoolClosed:
             result = ExecResult(id=request.id, status=Status.session_lost, started=False, session=request.session,
                                 message="the session has ended: its worker stopped")

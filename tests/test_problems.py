@@ -1,0 +1,245 @@
+"""Problem packages by reference (issue 39): a problem's tests, checker and limits uploaded once
+(PUT /v1/problems/{sha256}) and judged by name; 409 problem_unknown where it is not held, which the
+client answers by uploading and sending again; in Redis mode, workers fetch a package from the
+gateway it was uploaded to (signed by a ticket, never through Redis), evict it and fetch it again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from codeenv.bench.services import Service, free_port, start_codeenv
+from codeenv.client import AsyncClient, Problem
+from codeenv.disk_lru import DiskLRU
+from codeenv.models import JudgeResult
+from codeenv.problems import ProblemStore
+from codeenv.settings import GatewaySettings
+from tests.conftest import GatewayClient, Served
+from tests.test_checkers import OPEN_R1_CHECKER
+from tests.test_redis import WorkerProcess, wait_for_workers
+
+DOUBLE = "print(int(input()) * 2)"
+
+
+def package(n: int = 3, **extra: Any) -> tuple[bytes, str]:
+    """A package of `n` doubling tests (its own, by a nonce in its limits-free body) and its name."""
+    nonce = uuid.uuid4().int % 10**9
+    tests = [{"stdin": str(nonce + i), "expected_stdout": str(2 * (nonce + i))} for i in range(n)]
+    body = json.dumps({"tests": tests, **extra}).encode()
+    return body, hashlib.sha256(body).hexdigest()
+
+
+async def put(client: httpx.AsyncClient, body: bytes, sha: str | None = None, **headers: str) -> httpx.Response:
+    return await client.put(f"/v1/problems/{sha or hashlib.sha256(body).hexdigest()}", content=body,
+                            headers={"content-type": "application/json", **headers})
+
+
+@pytest.mark.jail
+async def test_a_problem_uploaded_once_judges_many_submissions(gateway: GatewayClient) -> None:
+    body, sha = package(4, limits={"cpu_s": 0.5})
+    async with gateway() as client:
+        first = await put(client, body)
+        again = await put(client, body)
+        assert first.status_code == 201, first.text
+        assert first.json() == {"sha256": sha, "tests": 4, "bytes": len(body), "created": True}
+        assert again.status_code == 200 and again.json()["created"] is False
+        answers = await asyncio.gather(*(client.post("/v1/judge", json={"code": code, "problem": sha}) for code in (
+            DOUBLE, "print(int(input()) * 3)", "while True: pass", "print(int(input()) * 2)  # again")))
+        results = [JudgeResult.model_validate(a.json()) for a in answers]
+        assert [r.status for r in results] == ["passed", "failed", "failed", "passed"], results
+        assert results[1].passed == 0 and results[1].total == 4
+        # The package's limits: its cpu_s (0.5) stopped the loop; the request's own override them.
+        assert {t.limit for t in results[2].tests} == {"cpu"} and results[2].tests[0].cpu_s < 1.5
+        slow = await client.post("/v1/judge", json={"code": "import time\nx = 0\nfor i in range(10**7): x += i\n"
+                                                            "print(int(input()) * 2)", "problem": sha,
+                                                    "limits": {"cpu_s": 10}, "stop_on_failure": True})
+        assert slow.json()["status"] == "passed", slow.text
+        # The same problem in a batch, beside an inline one; each by its own tests.
+        batch = await client.post("/v1/judge/batch", json={"requests": [
+            {"code": DOUBLE, "problem": sha},
+            {"code": DOUBLE, "tests": [{"stdin": "1", "expected_stdout": "3"}]}]})
+        assert [r["status"] for r in batch.json()["results"]] == ["passed", "failed"]
+
+
+@pytest.mark.jail
+async def test_a_package_with_a_checker_or_function_calls(gateway: GatewayClient) -> None:
+    checked, checked_sha = package(1, checker={"type": "open_r1", "code": OPEN_R1_CHECKER})
+    calls = json.dumps({"fn_name": "add", "tests": [{"args": [1, 2], "expected": 3},
+                                                    {"args": [uuid.uuid4().int % 1000, 0], "expected": None}]})
+    async with gateway() as client:
+        assert (await put(client, checked)).status_code == 201
+        right = await client.post("/v1/judge", json={"code": DOUBLE, "problem": checked_sha})
+        wrong = await client.post("/v1/judge", json={"code": "print('no')", "problem": checked_sha})
+        assert right.json()["status"] == "passed" and right.json()["tests"][0]["score"] == 1, right.text
+        assert wrong.json()["status"] == "failed"
+        assert (await put(client, calls.encode())).status_code == 201
+        sha = hashlib.sha256(calls.encode()).hexdigest()
+        add = await client.post("/v1/judge", json={"code": "def add(a, b):\n    return a + b if b else None",
+                                                   "problem": sha})
+        assert add.json()["status"] == "passed", add.text
+        # A function-call problem cannot judge C++: the worker says so (422), nothing runs.
+        cpp = await client.post("/v1/judge", json={"code": "int main() {}", "language": "cpp", "problem": sha})
+        assert cpp.status_code == 422 and "fn_name" in cpp.json()["detail"], cpp.text
+
+
+@pytest.mark.jail
+async def test_what_is_refused_and_why(gateway: GatewayClient) -> None:
+    body, sha = package(2)
+    unknown = hashlib.sha256(b"never uploaded").hexdigest()
+    async with gateway(problem_max_mb=1) as client:
+        judged = await client.post("/v1/judge", json={"code": DOUBLE, "problem": unknown})
+        assert judged.status_code == 409 and judged.json()["detail"].startswith("problem_unknown:"), judged.text
+        assert f"/v1/problems/{unknown}" in judged.json()["detail"]
+        batch = await client.post("/v1/judge/batch", json={"requests": [{"code": DOUBLE, "problem": unknown}]})
+        [item] = batch.json()["results"]
+        assert item["status"] == "rejected" and item["refusal"] == "problem_unknown"
+        # The body's hash is its name; JSON only; a package, valid; within problem_max_mb.
+        assert (await put(client, body, unknown)).status_code == 400
+        plain = await client.put(f"/v1/problems/{sha}", content=body, headers={"content-type": "text/plain"})
+        assert plain.status_code == 415
+        assert (await client.put("/v1/problems/NOT-A-SHA", content=body,
+                                 headers={"content-type": "application/json"})).status_code == 422
+        for bad, why in ((b'{"tests": []}', "tests"), (b"[1, 2", "problem"),
+                         (json.dumps({"tests": [{"stdin": "1"}]}).encode(), "expected_stdout"),
+                         (json.dumps({"tests": [{"args": [1], "expected": 1}], "fn_name": "f",
+                                      "checker": {"type": "cms", "code": "x"}}).encode(), "checker")):
+            refused = await put(client, bad)
+            assert refused.status_code == 422 and why in refused.text, (bad, refused.text)
+        big = json.dumps({"tests": [{"stdin": "x" * (2 << 20), "expected_stdout": "x"}]}).encode()
+        assert (await put(client, big)).status_code == 413
+        assert (await client.get(f"/v1/problems/{unknown}")).status_code == 404
+        # A problem's request does not also send what its package holds.
+        assert (await put(client, body)).status_code == 201
+        both = await client.post("/v1/judge", json={"code": DOUBLE, "problem": sha,
+                                                    "tests": [{"stdin": "1", "expected_stdout": "2"}]})
+        assert both.status_code == 422 and "package" in both.text
+        got = await client.get(f"/v1/problems/{sha}")
+        assert got.status_code == 200 and got.content == body
+
+
+@pytest.mark.jail
+async def test_a_worker_fetches_with_a_ticket_and_nothing_else(gateway: GatewayClient) -> None:
+    body, sha = package(1)
+    other_body, other = package(1)
+    token = "t" * 32
+    auth = {"authorization": f"Bearer {token}"}
+    async with gateway(token=token, headers=auth) as client:
+        assert (await put(client, body)).status_code == 201
+        assert (await put(client, other_body)).status_code == 201
+        store = ProblemStore.from_settings(GatewaySettings())
+        ticket = store.ticket(sha)
+        anon = {"authorization": ""}
+        assert (await client.get(f"/v1/problems/{sha}", headers=anon)).status_code == 401
+        assert (await client.get(f"/v1/problems/{sha}?ticket={ticket}", headers=anon)).content == body
+        assert (await client.get(f"/v1/problems/{other}?ticket={ticket}", headers=anon)).status_code == 401
+        assert (await client.get(f"/v1/problems/{sha}?ticket={'0' * 64}", headers=anon)).status_code == 401
+        put_with_ticket = await client.put(f"/v1/problems/{sha}?ticket={ticket}", content=body,
+                                           headers={**anon, "content-type": "application/json"})
+        assert put_with_ticket.status_code == 401
+
+
+@pytest.mark.jail
+async def test_the_client_uploads_once_and_again_after_an_eviction(served: Served) -> None:
+    problem = Problem(tests=[{"stdin": str(uuid.uuid4().int % 1000), "expected_stdout": "x"}],
+                      checker={"type": "open_r1", "code": OPEN_R1_CHECKER})
+    rebuilt = Problem(tests=[dict(t) for t in json.loads(problem.body)["tests"]],
+                      checker={"type": "open_r1", "code": OPEN_R1_CHECKER})
+    assert rebuilt.sha256 == problem.sha256 and rebuilt.body == problem.body
+    async with served() as url, AsyncClient(url) as client:
+        first = await client.judge(DOUBLE, problem=problem, id="mine")
+        sent = client.requests_sent
+        many = await asyncio.gather(*(client.judge(DOUBLE, problem=problem) for _ in range(6)))
+        assert first.status == "failed" and first.id == "mine", first  # "x" is not the double: the checker says 0
+        assert [r.status for r in many] == ["failed"] * 6
+        assert client.requests_sent - sent <= 6  # no upload among them
+        # Gone from the gateway's disk (its LRU): the client's next call uploads it again by itself.
+        store = ProblemStore.from_settings(GatewaySettings())
+        store.files.remove(problem.sha256 + ".json")
+        again = await client.judge("print('x')", problem=problem)
+        assert again.status == "passed", again
+        # By name alone, a problem not held is the caller's to upload.
+        missing = await client.judge(DOUBLE, problem=hashlib.sha256(b"nothing").hexdigest())
+        assert missing.status == "rejected" and missing.refusal == "problem_unknown"
+
+
+@pytest.mark.unit
+def test_the_disk_cache_removes_the_least_recently_used_first(tmp_path: Path) -> None:
+    lru = DiskLRU(tmp_path, 4 << 10)
+    for name in ("aa1", "bb2", "cc3"):
+        assert lru.write(name, b"x" * 1000)
+    assert lru.read("aa1") == b"x" * 1000  # used now: bb2 is the oldest
+    os.utime(lru.path("bb2"), (1, 1))
+    assert lru.write("dd4", b"y" * 1000)
+    assert lru.write("ee5", b"y" * 1000)  # over 4 KiB: down to 3 KiB, oldest first
+    assert lru.read("bb2") is None and lru.read("ee5") is not None
+    assert not lru.write("big", b"z" * 2000)  # over a quarter of the cap: not kept
+
+
+async def until_ready(url: str, token: str, timeout_s: float = 90) -> None:
+    """Until a gateway with a token answers /readyz (Service.await_ready sends none)."""
+    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {token}"}) as http:
+        for _ in range(int(timeout_s * 10)):
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get("/readyz")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} was not ready within {timeout_s:g}s")
+
+
+@pytest.mark.jail
+@pytest.mark.redis
+@pytest.mark.slow
+async def test_workers_fetch_a_package_from_its_gateway_evict_it_and_fetch_it_again(
+        redis_server: Service, tmp_path: Path) -> None:
+    prefix = uuid.uuid4().hex[:12]
+    token = "k" * 32
+    workers = [WorkerProcess(redis_server, prefix, tmp_path / f"w{i}.log", slots=1) for i in range(2)]
+    for i, worker in enumerate(workers):
+        worker.env["CODEENV_PROBLEM_DIR"] = str(tmp_path / f"w{i}")
+    await asyncio.gather(*(w.start() for w in workers))
+    gateway = start_codeenv("serve", "--redis", redis_server.url, "--no-local-worker", "--log-level", "warning",
+                            "--token", token, port=free_port(),
+                            env={**workers[0].env, "CODEENV_PROBLEM_DIR": str(tmp_path / "gateway")})
+    problem = Problem(tests=[{"stdin": str(i), "expected_stdout": str(2 * i)} for i in range(40)])
+    try:
+        await wait_for_workers(redis_server, prefix, 2)
+        assert gateway.url is not None
+        await until_ready(gateway.url, token)
+        async with AsyncClient(gateway.url, token=token, max_batch=64) as client:
+            results = await asyncio.gather(*(client.judge(DOUBLE, problem=problem) for _ in range(16)))
+            assert [r.status for r in results] == ["passed"] * 16, results
+            assert len({r.worker.rsplit("/", 1)[0] for r in results}) == 2, [r.worker for r in results]
+            for i in range(2):  # each worker fetched it from the gateway, into its own disk
+                assert (tmp_path / f"w{i}" / problem.sha256[:2] / f"{problem.sha256}.json").read_bytes() == \
+                    problem.body
+            # A worker restarted with its disk emptied (evicted) fetches the package again.
+            assert await workers[0].stop() == 0
+            shutil.rmtree(tmp_path / "w0")
+            await workers[0].start()
+            await wait_for_workers(redis_server, prefix, 2)
+            again = await asyncio.gather(*(client.judge(DOUBLE, problem=problem) for _ in range(16)))
+            assert [r.status for r in again] == ["passed"] * 16
+            assert (tmp_path / "w0" / problem.sha256[:2] / f"{problem.sha256}.json").exists()
+            # Never through Redis: no key holds the package's bytes.
+            r = aioredis.Redis(port=redis_server.port)
+            try:
+                for key in [k async for k in r.scan_iter(f"{prefix}*")]:
+                    if await r.type(key) == b"string":
+                        assert problem.body[:200] not in (await r.get(key) or b"")
+            finally:
+                await r.aclose()
+    finally:
+        await gateway.stop_async(60)
+        for w in workers:
+            await w.stop()
