@@ -637,8 +637,8 @@ class ProblemRef(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     sha256: str = Field(pattern=PROBLEM_SHA256)
-    tests: int = Field(0, ge=0)
-    url: str | None = None
+    tests: Annotated[int, BeforeValidator(_integral)] = Field(0, ge=0, description="set by the gateway")
+    url: str | None = Field(None, description="set by the gateway (whatever a caller sends is replaced)")
 
 
 class JudgeSpec(BaseModel):

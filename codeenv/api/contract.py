@@ -87,6 +87,10 @@ JUDGE_TESTS = {"allOf": [
 ]}
 
 
+#: A problem package's tests, as ProblemPackage._fits takes them (what JUDGE_TESTS says of tests).
+PACKAGE_TESTS = {"allOf": JUDGE_TESTS["allOf"][-2:]}
+
+
 JUDGE_SPEC_TESTS = {"allOf": [
     {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
      "then": {"properties": {"tests": {"items": {"properties": {"stdin": {"type": "null"},
@@ -136,6 +140,12 @@ def _bounds(components: dict[str, Any], settings: GatewaySettings, profiles: lis
             if option.get("type") == "number":
                 option["maximum"] = settings.judge_max_total_wall_s
         for option in spec.get("properties", {}).get("fn_name", {}).get("anyOf", []):
+            if option.get("type") == "string":
+                option["pattern"] = FN_NAME_PATTERN
+    package = components.get("ProblemPackage")
+    if package is not None:
+        package.update(PACKAGE_TESTS)
+        for option in package.get("properties", {}).get("fn_name", {}).get("anyOf", []):
             if option.get("type") == "string":
                 option["pattern"] = FN_NAME_PATTERN
     judge = components.get("JudgeRequest")
