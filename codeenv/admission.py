@@ -187,14 +187,19 @@ def judge_limits(request: ExecRequest, settings: SandboxSettings) -> tuple[Limit
     output = asked.output_bytes if asked.output_bytes is not None else settings.caps.output_bytes
     values = resolve_limits(asked.model_copy(update={"cpu_s": cpu, "wall_s": None, "output_bytes": output}),
                             settings.defaults, settings.caps)
-    wall = asked.wall_s if asked.wall_s is not None else 3 * cpu + 1
     if asked.wall_s is not None and asked.wall_s > settings.caps.wall_s:
         raise LimitExceedsCap("limits.wall_s", asked.wall_s, settings.caps.wall_s)
-    limits = values.model_copy(update={"wall_s": wall})
     total = spec.total_wall_s
     if total is not None and total > settings.judge_max_total_wall_s:
         raise LimitExceedsCap("total_wall_s", total, settings.judge_max_total_wall_s)
-    if total is None:
+    # A problem's time limits were set on another machine: time_scale scales them all, up to the caps.
+    scale = spec.time_scale
+    cpu = min(cpu * scale, settings.caps.cpu_s)
+    wall = min(asked.wall_s * scale, settings.caps.wall_s) if asked.wall_s is not None else 3 * cpu + 1
+    limits = values.model_copy(update={"cpu_s": cpu, "wall_s": wall})
+    if total is not None:
+        total = min(total * scale, settings.judge_max_total_wall_s)
+    else:
         total = min(count * (wall + 1), settings.judge_max_total_wall_s)
     return limits, total
 

@@ -594,6 +594,28 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
                              "stdin or expected_stdout")
 
 
+class Subtask(BaseModel):
+    """A group of tests scored together (IOI, CMS): its points times the lowest score among its tests."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    points: float = Field(ge=0, allow_inf_nan=False, description="what the subtask is worth")
+    tests: list[Annotated[int, Field(ge=0), BeforeValidator(_integral)]] = Field(
+        min_length=1, max_length=10_000, description="its tests, by index into tests (from 0); a test may be in "
+                                                     "several subtasks")
+
+
+SUBTASKS_MAX = 256
+
+
+def _check_subtasks(subtasks: list[Subtask] | None, tests: int) -> None:
+    """ValueError unless every subtask names tests that exist (`tests` of them)."""
+    for k, subtask in enumerate(subtasks or []):
+        for i in subtask.tests:
+            if not 0 <= i < tests:
+                raise ValueError(f"subtasks[{k}] names test {i}; the tests are 0 to {tests - 1}")
+
+
 #: A problem package's name: the sha256 of its body, in lower-case hex.
 PROBLEM_SHA256 = r"^[0-9a-f]{64}$"
 
@@ -620,12 +642,15 @@ class ProblemPackage(BaseModel):
                                                                "limits override them, field by field)")
     total_wall_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                        description="wall-clock seconds for all tests (unless the request says)")
+    subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX, description="tests scored in groups "
+                                           "(README, \"Subtasks and time_scale\")")
 
     @model_validator(mode="after")
     def _fits(self) -> ProblemPackage:
         if self.checker is not None and self.fn_name is not None:
             raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
         _check_tests(self.tests, self.fn_name, as_sent=True)
+        _check_subtasks(self.subtasks, len(self.tests))
         _check_source_files("", self.graders, "problem")
         return self
 
@@ -657,6 +682,8 @@ class JudgeSpec(BaseModel):
     language: Language = Field(Language.python, strict=False)  # its name, from JSON
     checker: CheckerSpec | None = None
     problem: ProblemRef | None = None
+    subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX)
+    time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
@@ -665,6 +692,8 @@ class JudgeSpec(BaseModel):
         if self.tests and self.problem is not None:
             raise ValueError("a judged call has tests or a problem that holds them, not both")
         _check_tests(self.tests, self.fn_name, as_sent=False)
+        if self.tests:
+            _check_subtasks(self.subtasks, len(self.tests))
         return self
 
     @property
@@ -674,7 +703,7 @@ class JudgeSpec(BaseModel):
 
 
 #: What a problem's package holds, which a request judged by reference does not send.
-PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders"})
+PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders", "subtasks"})
 
 
 class JudgeRequest(BaseModel):
@@ -716,6 +745,12 @@ class JudgeRequest(BaseModel):
                                      description="must start within this many seconds, or it is answered overloaded")
     checker: CheckerSpec | None = Field(None, description="stdin tests: the problem's own checker decides each "
                                                           "test that ran to its end (README, \"Checkers\")")
+    subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX, description="tests scored in groups: "
+                                           "each subtask's points times the lowest score among its tests; a "
+                                           "test whose subtasks have all failed is skipped (README, \"Subtasks and time_scale\")")
+    time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
+                              description="the time limits (cpu_s, wall_s, total_wall_s; a problem's too) times "
+                                          "this, up to the server's caps")
     interactive: bool = Field(False, description="not supported yet: an interactive problem",
                               json_schema_extra={"const": False})
 
@@ -734,6 +769,7 @@ class JudgeRequest(BaseModel):
             raise ValueError("send the tests, or a problem that holds them")
         else:
             _check_tests(self.tests, self.fn_name, as_sent=True)
+            _check_subtasks(self.subtasks, len(self.tests))
         if self.language.lower() not in JUDGE_LANGUAGES:
             raise ValueError(f"language {self.language!r} is not supported; the judge runs "
                              f"{', '.join(JUDGE_LANGUAGES)}")
@@ -750,7 +786,8 @@ class JudgeRequest(BaseModel):
         spec = JudgeSpec(tests=self.tests or [], fn_name=self.fn_name, compare=self.compare,
                          float_tol=self.float_tol, stop_on_failure=self.stop_on_failure,
                          total_wall_s=self.total_wall_s, language=language, checker=self.checker,
-                         problem=None if self.problem is None else ProblemRef(sha256=self.problem))
+                         problem=None if self.problem is None else ProblemRef(sha256=self.problem),
+                         subtasks=self.subtasks, time_scale=self.time_scale)
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
                            language=language, preset=self.preset, std=self.std, graders=self.graders)
 
@@ -780,6 +817,15 @@ class TestResult(BaseModel):
                                                   "1 or 0 otherwise); null without a checker")
 
 
+class SubtaskResult(BaseModel):
+    """A subtask's score."""
+
+    points: float
+    score: float = Field(description="points times the lowest score among its tests (a passed test: 1, or its "
+                                     "checker's score; a failed or skipped one: 0, or its checker's partial score)")
+    tests: list[int]
+
+
 class CompileInfo(BaseModel):
     """The submission's compilation."""
 
@@ -802,6 +848,8 @@ class JudgeOutcome(BaseModel):
     tests: list[TestResult] = Field(default_factory=list)
     compile: CompileInfo | None = None
     prepared: int = Field(0, description="how many times the submission was prepared (once per slot and restart)")
+    subtasks: list[SubtaskResult] | None = None
+    score: float | None = Field(None, description="with subtasks: the sum of their scores")
 
 
 class JudgeResult(BaseModel):
@@ -819,6 +867,8 @@ class JudgeResult(BaseModel):
     message: str | None = None
     refusal: Refusal | None = Field(None, description="why a `rejected` submission was refused: invalid, or "
                                                       "problem_unknown (upload the problem's package and send again)")
+    subtasks: list[SubtaskResult] | None = Field(None, description="with subtasks: each one's score, in order")
+    score: float | None = Field(None, description="with subtasks: the sum of their scores")
 
     @classmethod
     def from_call(cls, result: ExecResult) -> JudgeResult:
@@ -841,4 +891,4 @@ class JudgeResult(BaseModel):
         else:
             status = JudgeStatus.failed
         return cls(status=status, passed=judged.passed, total=judged.total, tests=judged.tests,
-                   compile=judged.compile, **common)
+                   compile=judged.compile, subtasks=judged.subtasks, score=judged.score, **common)

@@ -43,7 +43,9 @@ def check(mode: str, url: str, max_examples: int, seed: int) -> tuple[int, str]:
     command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{url}/openapi.json",
                "--checks", "all", "--max-examples", str(max_examples), "--seed", str(seed),
                "--request-timeout", "60", "--max-failures", "20"]
-    done = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "contract_hooks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=env)
     return done.returncode, (f"== {mode}: {' '.join(command)}\n{done.stdout}{done.stderr}"
                              f"== {mode}: exit status {done.returncode} in {time.monotonic() - t0:.0f}s\n")
 

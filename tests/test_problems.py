@@ -243,3 +243,76 @@ async def test_workers_fetch_a_package_from_its_gateway_evict_it_and_fetch_it_ag
         await gateway.stop_async(60)
         for w in workers:
             await w.stop()
+
+
+#: An IOI-style task in three subtasks: n up to 10, up to 1000, any n (a test may be in several).
+SUBTASK_TESTS = [{"stdin": str(n), "expected_stdout": str(n * (n + 1) // 2)} for n in (3, 10, 500, 1000, 10**6, 10**7)]
+SUBTASKS = [{"points": 20, "tests": [0, 1]}, {"points": 30, "tests": [0, 1, 2, 3]}, {"points": 50, "tests": [4, 5, 2]}]
+#: Right for small n, wrong from 500 on (an overflow of its own making).
+SMALL_ONLY = "n = int(input())\nprint(n * (n + 1) // 2 if n <= 10 else 0)"
+#: Right, but quadratic: too slow for the last subtask.
+QUADRATIC = "n = int(input())\ns = 0\nfor i in range(n + 1):\n    s += i\nprint(s if n < 10**6 else sum(range(n + 1)))"
+
+
+@pytest.mark.jail
+async def test_subtasks_score_the_lowest_of_their_tests_and_skip_what_cannot_score(gateway: GatewayClient) -> None:
+    async with gateway() as client:
+        async def judged(code: str, **extra: Any) -> dict[str, Any]:
+            answer = await client.post("/v1/judge", json={"code": code, "tests": SUBTASK_TESTS, "subtasks": SUBTASKS,
+                                                          **extra})
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        right = await judged("n = int(input())\nprint(n * (n + 1) // 2)")
+        assert right["status"] == "passed" and right["score"] == 100
+        assert [s["score"] for s in right["subtasks"]] == [20, 30, 50]
+        small = await judged(SMALL_ONLY)
+        assert small["score"] == 20 and [s["score"] for s in small["subtasks"]] == [20, 0, 0]
+        # Test 2 failed subtasks 1 and 2: test 3 (subtask 1 only) and tests 4, 5 (subtask 2) never ran.
+        assert [t["status"] for t in small["tests"]] == ["passed", "passed", "wrong_answer", "skipped", "skipped",
+                                                         "skipped"], small["tests"]
+        assert "every subtask" in small["tests"][3]["message"]
+        # A time limit that stops one subtask's test: that subtask alone scores 0.
+        slow = await judged("import time\nn = int(input())\nif n == 10**6: time.sleep(5)\nprint(n * (n + 1) // 2)",
+                            limits={"cpu_s": 1, "wall_s": 2})
+        assert slow["score"] == 50 and slow["tests"][4]["status"] == "timeout" and slow["tests"][5]["status"] == \
+            "skipped", slow["tests"]
+        # Out of range: a clear 422.
+        bad = await client.post("/v1/judge", json={"code": SMALL_ONLY, "tests": SUBTASK_TESTS,
+                                                   "subtasks": [{"points": 1, "tests": [6]}]})
+        assert bad.status_code == 422 and "names test 6" in bad.text
+
+
+@pytest.mark.jail
+async def test_a_packages_subtasks_and_a_checkers_partial_scores(gateway: GatewayClient) -> None:
+    cms = ("import sys\n_, answer, output = sys.argv[1:4]\nwant, got = open(answer).read().split(), "
+           "open(output).read().split()\nprint(1 if got == want else 0.5 if got and got[0].lower() == want[0] else 0)")
+    body = json.dumps({"tests": [{"stdin": "a", "expected_stdout": "a"}, {"stdin": "b", "expected_stdout": "b"},
+                                 {"stdin": "c", "expected_stdout": "c"}],
+                       "checker": {"type": "cms", "code": cms, "language": "python"},
+                       "subtasks": [{"points": 40, "tests": [0]}, {"points": 60, "tests": [1, 2]}],
+                       "limits": {"cpu_s": 2}, "compare": "tokens"}).encode()
+    async with gateway() as client:
+        assert (await put(client, body)).status_code == 201
+        sha = hashlib.sha256(body).hexdigest()
+        answer = await client.post("/v1/judge", json={"code": "s = input()\nprint(s.upper() if s == 'c' else s)",
+                                                      "problem": sha})
+        result = answer.json()
+        assert [t["score"] for t in result["tests"]] == [1, 1, 0.5], result
+        assert [s["score"] for s in result["subtasks"]] == [40, 30] and result["score"] == 70
+
+
+@pytest.mark.jail
+async def test_time_scale_scales_a_problems_time_limits(gateway: GatewayClient) -> None:
+    body, sha = package(1, limits={"cpu_s": 0.4})
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8: pass\nprint(int(input()) * 2)"
+    async with gateway() as client:
+        assert (await put(client, body)).status_code == 201
+        tight = await client.post("/v1/judge", json={"code": spin, "problem": sha})
+        scaled = await client.post("/v1/judge", json={"code": spin, "problem": sha, "time_scale": 3})
+        assert tight.json()["tests"][0]["status"] == "timeout", tight.text
+        assert scaled.json()["status"] == "passed", scaled.text
+        # Scaled past the server's caps: at the caps (a time limit the request could have asked for).
+        capped = await client.post("/v1/judge", json={"code": DOUBLE, "tests": [{"stdin": "1", "expected_stdout": "2"}],
+                                                      "limits": {"cpu_s": 100}, "time_scale": 10})
+        assert capped.json()["status"] == "passed", capped.text

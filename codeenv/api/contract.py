@@ -92,6 +92,11 @@ PACKAGE_TESTS = {"allOf": JUDGE_TESTS["allOf"][-2:]}
 
 
 JUDGE_SPEC_TESTS = {"allOf": [
+    # the tests or a problem that holds them (models.JudgeSpec._tests_fit)
+    {"oneOf": [{"required": ["tests"], "properties": {"tests": {"minItems": 1},
+                                                      "problem": {"type": "null"}}},
+               {"required": ["problem"], "properties": {"problem": {"type": "object"},
+                                                        "tests": {"maxItems": 0}}}]},
     {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
      "then": {"properties": {"tests": {"items": {"properties": {"stdin": {"type": "null"},
                                                                  "expected_stdout": {"type": "null"}}}}}},

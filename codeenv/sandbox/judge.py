@@ -30,6 +30,8 @@ from codeenv.models import (
     Language,
     LimitName,
     LimitValues,
+    Subtask,
+    SubtaskResult,
     TestResult,
     TestStatus,
 )
@@ -96,6 +98,20 @@ async def judge(zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitVal
     return await _Judging(zygote, code, spec, limits, total_wall_s, restart, check).run()
 
 
+def test_score(result: TestResult) -> float:
+    """A test's score within its subtasks: 1 passed (or its checker's score), 0 otherwise (or a
+    checker's partial score)."""
+    if result.score is not None and result.status in (TestStatus.passed, TestStatus.wrong_answer):
+        return min(1.0, max(0.0, result.score))
+    return 1.0 if result.status is TestStatus.passed else 0.0
+
+
+def subtask_scores(subtasks: list[Subtask], tests: list[TestResult]) -> list[SubtaskResult]:
+    """Each subtask's score: its points times the lowest score among its tests."""
+    return [SubtaskResult(points=s.points, score=round(s.points * min(test_score(tests[i]) for i in s.tests), 6),
+                          tests=list(s.tests)) for s in subtasks]
+
+
 class _Judging:
     """One submission's run against its tests: which test is next, and in which process it runs."""
 
@@ -115,6 +131,13 @@ class _Judging:
         self.index = 0
         self.sub: Submission | None = None
         self.alone = False  # the test at `index` ended the submission's process: run it again alone
+        # Subtasks: each test's, and those that have failed (a test that scored 0): a test whose
+        # subtasks have all failed is skipped.
+        self.subtasks_of: list[list[int]] = [[] for _ in self.tests]
+        for k, subtask in enumerate(spec.subtasks or []):
+            for i in subtask.tests:
+                self.subtasks_of[i].append(k)
+        self.failed_subtasks: set[int] = set()
 
     async def run(self) -> tuple[JudgeOutcome, str | None]:
         try:
@@ -152,6 +175,9 @@ class _Judging:
         outcome.tests = [r if r is not None else TestResult(status=TestStatus.internal_error, message="not run")
                          for r in self.results]
         outcome.passed = sum(r.status is TestStatus.passed for r in outcome.tests)
+        if self.spec.subtasks:
+            outcome.subtasks = subtask_scores(self.spec.subtasks, outcome.tests)
+            outcome.score = round(sum(s.score for s in outcome.subtasks), 6)
         return outcome, problem
 
     async def problem(self) -> str | None:
@@ -182,15 +208,23 @@ class _Judging:
         return result
 
     async def settle(self, i: int, observed: TestOutcome) -> bool:
-        """Keep test i's observation; whether the run goes on after it."""
-        if not self.spec.stop_on_failure:
+        """Keep test i's observation; whether the run goes on after it. With stop_on_failure or
+        subtasks, a test's verdict decides what runs next: it is decided now."""
+        if not self.spec.stop_on_failure and not self.spec.subtasks:
             self.observations[i] = observed
             return True
         self.results[i] = result = await self.decide(i, observed)
-        if result.status is TestStatus.passed:
-            return True
-        self.finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
-        return False
+        if self.spec.stop_on_failure and result.status is not TestStatus.passed:
+            self.finish_all(TestStatus.skipped, "not run: an earlier test failed (stop_on_failure)")
+            return False
+        if test_score(result) == 0:
+            self.failed_subtasks.update(self.subtasks_of[i])
+        while (self.index < len(self.tests) and self.subtasks_of[self.index]
+               and self.failed_subtasks.issuperset(self.subtasks_of[self.index])):
+            self.results[self.index] = TestResult(status=TestStatus.skipped,
+                                                  message="not run: every subtask it belongs to has failed")
+            self.index += 1
+        return True
 
     def finish_all(self, status: TestStatus, message: str, limit: LimitName | None = None) -> None:
         for i in range(self.index, len(self.tests)):
