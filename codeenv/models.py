@@ -747,7 +747,8 @@ class JudgeRequest(BaseModel):
                                                           "test that ran to its end (README, \"Checkers\")")
     subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX, description="tests scored in groups: "
                                            "each subtask's points times the lowest score among its tests; a "
-                                           "test whose subtasks have all failed is skipped (README, \"Subtasks and time_scale\")")
+                                           "test whose subtasks have all failed is skipped (README, "
+                                           "\"Subtasks and time_scale\")")
     time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
                               description="the time limits (cpu_s, wall_s, total_wall_s; a problem's too) times "
                                           "this, up to the server's caps")
