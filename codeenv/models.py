@@ -594,6 +594,30 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
                              "stdin or expected_stdout")
 
 
+class InteractorSpec(BaseModel):
+    """An interactive problem's interactor (testlib's protocol): it talks with the submission through
+    its stdin and stdout, called as `interactor input output answer`, and exits 0 (accepted), 1 or 4
+    (wrong answer), 2 (presentation error), 7 (points, on stderr) or 3 (it failed)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    code: Text = Field(description="the interactor's source")
+    language: Literal["cpp", "python"] = Field("cpp", description="cpp (compiled once, g++ -O2 -std=gnu++17) "
+                                                                  "or python")
+    files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
+                                   description="files compiled beside the source, by name (testlib.h)",
+                                   json_schema_extra=SOURCE_FILE_NAMES)
+
+    @model_validator(mode="after")
+    def _fits(self) -> InteractorSpec:
+        _check_source_files(self.code, self.files, "interactor")
+        return self
+
+    def as_checker(self) -> CheckerSpec:
+        """Prepared (compiled) as a testlib checker is."""
+        return CheckerSpec(type=CheckerType.testlib, code=self.code, language=self.language, files=self.files)
+
+
 class Subtask(BaseModel):
     """A group of tests scored together (IOI, CMS): its points times the lowest score among its tests."""
 
@@ -644,11 +668,13 @@ class ProblemPackage(BaseModel):
                                        description="wall-clock seconds for all tests (unless the request says)")
     subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX, description="tests scored in groups "
                                            "(README, \"Subtasks and time_scale\")")
+    interactor: InteractorSpec | None = Field(None, description="an interactive problem's interactor (README, "
+                                                                "\"Interactive problems\")")
 
     @model_validator(mode="after")
     def _fits(self) -> ProblemPackage:
-        if self.checker is not None and self.fn_name is not None:
-            raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
+        if (self.checker is not None or self.interactor is not None) and self.fn_name is not None:
+            raise ValueError("a checker or interactor judges stdin tests, not function-call tests (fn_name)")
         _check_tests(self.tests, self.fn_name, as_sent=True)
         _check_subtasks(self.subtasks, len(self.tests))
         _check_source_files("", self.graders, "problem")
@@ -684,6 +710,7 @@ class JudgeSpec(BaseModel):
     problem: ProblemRef | None = None
     subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX)
     time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    interactor: InteractorSpec | None = None
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
@@ -703,7 +730,8 @@ class JudgeSpec(BaseModel):
 
 
 #: What a problem's package holds, which a request judged by reference does not send.
-PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders", "subtasks"})
+PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders", "subtasks",
+                            "interactor"})
 
 
 class JudgeRequest(BaseModel):
@@ -752,15 +780,19 @@ class JudgeRequest(BaseModel):
     time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
                               description="the time limits (cpu_s, wall_s, total_wall_s; a problem's too) times "
                                           "this, up to the server's caps")
-    interactive: bool = Field(False, description="not supported yet: an interactive problem",
-                              json_schema_extra={"const": False})
+    interactor: InteractorSpec | None = Field(None, description="stdin tests: an interactive problem's "
+                                                                "interactor, talking with the submission through "
+                                                                "its stdin and stdout (README, \"Interactive "
+                                                                "problems\")")
+    interactive: bool = Field(False, description="an interactive problem: true needs its interactor (here or in "
+                                                 "the problem's package)")
 
     @model_validator(mode="after")
     def _supported(self) -> JudgeRequest:
-        if self.checker is not None and self.fn_name is not None:
-            raise ValueError("a checker judges stdin tests, not function-call tests (fn_name)")
-        if self.interactive:
-            raise ValueError("interactive problems are not supported yet")
+        if (self.checker is not None or self.interactor is not None) and self.fn_name is not None:
+            raise ValueError("a checker or interactor judges stdin tests, not function-call tests (fn_name)")
+        if self.interactive and self.interactor is None and self.problem is None:
+            raise ValueError("an interactive problem needs its interactor")
         if self.problem is not None:
             inline = sorted(PROBLEM_FIELDS & self.model_fields_set)
             if inline:
@@ -788,7 +820,7 @@ class JudgeRequest(BaseModel):
                          float_tol=self.float_tol, stop_on_failure=self.stop_on_failure,
                          total_wall_s=self.total_wall_s, language=language, checker=self.checker,
                          problem=None if self.problem is None else ProblemRef(sha256=self.problem),
-                         subtasks=self.subtasks, time_scale=self.time_scale)
+                         subtasks=self.subtasks, time_scale=self.time_scale, interactor=self.interactor)
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
                            language=language, preset=self.preset, std=self.std, graders=self.graders)
 

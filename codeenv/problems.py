@@ -195,7 +195,8 @@ class ProblemStore:
         filled = JudgeSpec(tests=package.tests, fn_name=package.fn_name, compare=package.compare,
                            float_tol=package.float_tol, stop_on_failure=spec.stop_on_failure,
                            total_wall_s=spec.total_wall_s or package.total_wall_s, language=spec.language,
-                           checker=package.checker, subtasks=package.subtasks, time_scale=spec.time_scale)
+                           checker=package.checker, subtasks=package.subtasks, time_scale=spec.time_scale,
+                           interactor=package.interactor)
         try:
             return ExecRequest.model_validate({**dict(request), "judge": filled, "limits": Limits(**limits),
                                                "graders": package.graders})

@@ -293,7 +293,7 @@ async def test_a_packages_subtasks_and_a_checkers_partial_scores(gateway: Gatewa
                        "subtasks": [{"points": 40, "tests": [0]}, {"points": 60, "tests": [1, 2]}],
                        "limits": {"cpu_s": 2}, "compare": "tokens"}).encode()
     async with gateway() as client:
-        assert (await put(client, body)).status_code == 201
+        assert (await put(client, body)).status_code in (200, 201)  # held already after an earlier run
         sha = hashlib.sha256(body).hexdigest()
         answer = await client.post("/v1/judge", json={"code": "s = input()\nprint(s.upper() if s == 'c' else s)",
                                                       "problem": sha})
@@ -316,3 +316,98 @@ async def test_time_scale_scales_a_problems_time_limits(gateway: GatewayClient) 
         capped = await client.post("/v1/judge", json={"code": DOUBLE, "tests": [{"stdin": "1", "expected_stdout": "2"}],
                                                       "limits": {"cpu_s": 100}, "time_scale": 10})
         assert capped.json()["status"] == "passed", capped.text
+
+
+#: An interactive problem (testlib's protocol): guess the number in the input file; the answer file
+#: holds the most guesses allowed; the output file, the guesses it took.
+GUESS_INTERACTOR = """import sys
+inp, out, ans = sys.argv[1:4]
+secret, most = int(open(inp).read()), int(open(ans).read())
+for q in range(1, most + 1):
+    line = sys.stdin.readline()
+    if not line:
+        print("no guess", file=sys.stderr)
+        sys.exit(1)
+    guess = int(line)
+    if guess == secret:
+        open(out, "w").write(f"{q}\\n")
+        print("=", flush=True)
+        sys.exit(0)
+    print("<" if guess < secret else ">", flush=True)
+print(f"more than {most} guesses", file=sys.stderr)
+sys.exit(1)
+"""
+BISECT = """lo, hi = 1, 10**6
+while True:
+    mid = (lo + hi) // 2
+    print(mid, flush=True)
+    said = input()
+    if said == "=":
+        break
+    lo, hi = (mid + 1, hi) if said == "<" else (lo, mid - 1)
+"""
+BISECT_CPP = r"""#include <iostream>
+#include <string>
+int main() {
+    long lo = 1, hi = 1000000;
+    while (true) {
+        long mid = (lo + hi) / 2;
+        std::cout << mid << std::endl;
+        std::string said; std::cin >> said;
+        if (said == "=") return 0;
+        if (said == "<") lo = mid + 1; else hi = mid - 1;
+    }
+}
+"""
+GUESS_TESTS = [{"stdin": str(n), "expected_stdout": "20"} for n in (1, 777, 424242, 10**6)]
+
+
+@pytest.mark.jail
+async def test_an_interactive_problem_talks_with_the_submission(gateway: GatewayClient) -> None:
+    interactor = {"code": GUESS_INTERACTOR, "language": "python"}
+    async with gateway() as client:
+        async def judged(code: str, **extra: Any) -> dict[str, Any]:
+            answer = await client.post("/v1/judge", json={"code": code, "tests": GUESS_TESTS, "interactor": interactor,
+                                                          "limits": {"cpu_s": 2, "wall_s": 3}, **extra})
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        right = await judged(BISECT)
+        assert right["status"] == "passed" and right["passed"] == 4, right
+        linear = await judged("i = 0\nwhile True:\n    i += 1\n    print(i, flush=True)\n    if input() == '=':\n"
+                              "        break")
+        # 1 is found at once; the others take more than 20 guesses: the interactor's wrong answer
+        # (the program then dies of the closed pipe: the interactor's verdict stands).
+        assert [t["status"] for t in linear["tests"]] == ["passed"] + ["wrong_answer"] * 3, linear["tests"]
+        assert "more than 20 guesses" in linear["tests"][1]["message"]
+        silent = await judged("import time\ntime.sleep(30)")
+        assert {t["status"] for t in silent["tests"]} == {"timeout"}, silent["tests"]
+        hunting = await judged("import os\nprint(sorted(os.listdir('/work')), os.path.exists('/work/check/answer'), "
+                               "flush=True)\nprint(open('/work/check/input').read(), flush=True)\ninput()")
+        assert hunting["passed"] == 0 and {t["status"] for t in hunting["tests"]} == {"wrong_answer"}, hunting
+        cpp = await judged(BISECT_CPP, language="cpp")
+        assert cpp["status"] == "passed", cpp
+        # A function-call problem has no interactor; an interactive one needs its interactor.
+        bad = await client.post("/v1/judge", json={"code": BISECT, "tests": GUESS_TESTS, "interactive": True})
+        assert bad.status_code == 422 and "interactor" in bad.text
+
+
+@pytest.mark.jail
+async def test_an_interactive_package_whose_checker_reads_the_interactors_file(gateway: GatewayClient) -> None:
+    # The checker (CMS) scores the guesses the interactor counted: 1 within 20, 0.5 within 40.
+    checker = ("import sys\n_, answer, output = sys.argv[1:4]\nq = int(open(output).read())\n"
+               "print(1 if q <= 20 else 0.5 if q <= 40 else 0)")
+    tests = [{"stdin": str(n), "expected_stdout": "60"} for n in (5, 500_000)]
+    body = json.dumps({"tests": tests, "interactor": {"code": GUESS_INTERACTOR, "language": "python"},
+                       "checker": {"type": "cms", "code": checker, "language": "python"},
+                       "limits": {"cpu_s": 2, "wall_s": 3}}).encode()
+    # 1 to 15 first, then bisection: 5 at its 5th guess, 500000 after 21 to 35 guesses.
+    slower = ("for i in range(1, 16):\n    print(i, flush=True)\n    if input() == '=':\n        raise SystemExit\n"
+              + BISECT.replace("lo, hi = 1, 10**6", "lo, hi = 16, 10**6"))
+    async with gateway() as client:
+        assert (await put(client, body)).status_code in (200, 201)  # held already after an earlier run
+        sha = hashlib.sha256(body).hexdigest()
+        fast = (await client.post("/v1/judge", json={"code": BISECT, "problem": sha})).json()
+        slow = (await client.post("/v1/judge", json={"code": slower, "problem": sha})).json()
+        assert fast["status"] == "passed" and [t["score"] for t in fast["tests"]] == [1, 1], fast
+        assert [t["score"] for t in slow["tests"]] == [1, 0.5] and slow["tests"][1]["status"] == "wrong_answer", slow

@@ -73,7 +73,13 @@ JUDGE_TESTS = {"allOf": [
     {"if": CPP_FIELDS_SET, "then": {"required": ["language"], "properties": {"language": {"pattern": CPP}}}},
     {"if": {"required": ["language"], "properties": {"language": {"pattern": CPP}}},
      "then": {"properties": {"fn_name": {"type": "null"}}}},
-    # a checker judges stdin tests
+    # an interactive problem has its interactor (or a package holds it)
+    {"if": {"required": ["interactive"], "properties": {"interactive": {"const": True}}},
+     "then": {"anyOf": [{"required": ["interactor"], "properties": {"interactor": {"type": "object"}}},
+                        {"required": ["problem"], "properties": {"problem": {"type": "string"}}}]}},
+    # a checker or interactor judges stdin tests
+    {"if": {"required": ["interactor"], "properties": {"interactor": {"type": "object"}}},
+     "then": {"properties": {"fn_name": {"type": "null"}}}},
     {"if": {"required": ["checker"], "properties": {"checker": {"type": "object"}}},
      "then": {"properties": {"fn_name": {"type": "null"}}}},
     {"if": {"required": ["fn_name"], "properties": {"fn_name": {"type": "string"}}},
@@ -88,7 +94,7 @@ JUDGE_TESTS = {"allOf": [
 
 
 #: A problem package's tests, as ProblemPackage._fits takes them (what JUDGE_TESTS says of tests).
-PACKAGE_TESTS = {"allOf": JUDGE_TESTS["allOf"][-2:]}
+PACKAGE_TESTS = {"allOf": JUDGE_TESTS["allOf"][-3:]}
 
 
 JUDGE_SPEC_TESTS = {"allOf": [

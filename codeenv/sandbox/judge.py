@@ -16,8 +16,10 @@ Usage (on a worker, with the slot's zygote locked)::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,7 +37,7 @@ from codeenv.models import (
     TestResult,
     TestStatus,
 )
-from codeenv.sandbox.checker import Check
+from codeenv.sandbox.checker import Check, Interaction
 from codeenv.sandbox.outside.calls import CallJail
 from codeenv.sandbox.outside.submission import Submission, TestOutcome
 from codeenv.sandbox.verdict import verdict
@@ -62,6 +64,9 @@ def report_bytes(limits: LimitValues) -> int:
 Restart = Callable[[str], Awaitable[CallJail]]
 #: The problem's checker on one test: (its input, the submission's output, the expected answer).
 Checking = Callable[[bytes, bytes, bytes], Awaitable[Check]]
+#: The problem's interactor through one test: (its input, the answer, [its stdin, its stdout] which
+#: it takes and closes, the test's wall limit).
+Interacting = Callable[[bytes, bytes, list[int], float], Awaitable[Interaction]]
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +92,17 @@ async def _alone(zygote: CallJail, code: bytes, test: JudgeTest, spec: JudgeSpec
 
 
 async def judge(zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues, total_wall_s: float,
-                restart: Restart, check: Checking | None = None) -> tuple[JudgeOutcome, str | None]:
+                restart: Restart, check: Checking | None = None,
+                interact: Interacting | None = None) -> tuple[JudgeOutcome, str | None]:
     """Run every test of `spec` against `code` in `zygote`'s jail, preparing the submission again
     after a test that ended its process. `restart(reason)` recycles the jail and returns its zygote;
-    `check` runs the problem's checker (where `spec` has one) on a test that ran to its end.
+    `check` runs the problem's checker (where `spec` has one) on a test that ran to its end;
+    `interact` its interactor (where it has one) through each test, talking with the submission.
 
     Returns the outcome and, with the jail's traces wiped and checked, why it must be recycled
     (None if it is ready for the next call). Raises ZygoteDied(started=False) only if nothing ran.
     """
-    return await _Judging(zygote, code, spec, limits, total_wall_s, restart, check).run()
+    return await _Judging(zygote, code, spec, limits, total_wall_s, restart, check, interact).run()
 
 
 def test_score(result: TestResult) -> float:
@@ -116,9 +123,11 @@ class _Judging:
     """One submission's run against its tests: which test is next, and in which process it runs."""
 
     def __init__(self, zygote: CallJail, code: bytes, spec: JudgeSpec, limits: LimitValues,
-                 total_wall_s: float, restart: Restart, check: Checking | None) -> None:
+                 total_wall_s: float, restart: Restart, check: Checking | None,
+                 interact: Interacting | None = None) -> None:
         self.zygote, self.code, self.spec, self.limits, self.restart = zygote, code, spec, limits, restart
-        self.check = check
+        self.check, self.interact = check, interact
+        self.interactions: dict[int, Interaction] = {}
         self.total_wall_s = total_wall_s
         self.deadline = time.monotonic() + total_wall_s
         self.tests = spec.tests
@@ -190,16 +199,32 @@ class _Judging:
             self.zygote = await self.restart(problem)
 
     async def decide(self, i: int, observed: TestOutcome) -> TestResult:
-        """Test i's verdict: from what was observed, and the problem's checker where it has one."""
+        """Test i's verdict: from what was observed, the problem's interactor and its checker where
+        it has them. With an interactor: a limit the submission hit is its verdict; else one the
+        interactor gives other than accepted (a submission it stopped talking to may have died of
+        the closed pipe); else the submission's own; else the checker's, on the interactor's file."""
         result = verdict(observed, self.tests[i], self.spec, self.limits)
+        output = observed.stdout
+        interaction = self.interactions.get(i)
+        if interaction is not None:
+            said = interaction.check
+            if said.status is TestStatus.internal_error:
+                result.status, result.message = said.status, f"the interactor failed: {said.message}"[:500]
+                return result
+            if result.status in (TestStatus.timeout, TestStatus.memory, TestStatus.output_limit):
+                return result
+            if said.status is not TestStatus.passed:
+                result.status, result.score, result.message = said.status, said.score, said.message
+                result.limit = None
+                return result
+            output = interaction.output
         if self.spec.checker is None or result.status is not TestStatus.passed:
             return result
         test = self.tests[i]
         try:
             if self.check is None:
                 raise RuntimeError("no checker runs on this worker")
-            checked = await self.check((test.stdin or "").encode(), observed.stdout,
-                                       (test.expected_stdout or "").encode())
+            checked = await self.check((test.stdin or "").encode(), output, (test.expected_stdout or "").encode())
         except Exception as exc:  # the checker's jail could not run: no verdict, never the program's fault
             logger.exception("a checker could not run")
             result.status, result.message = TestStatus.internal_error, f"the checker could not run: {exc!r}"[:500]
@@ -230,6 +255,51 @@ class _Judging:
         for i in range(self.index, len(self.tests)):
             if self.results[i] is None:
                 self.results[i] = TestResult(status=status, limit=limit, message=message)
+
+    async def talk(self, sub: Submission, i: int) -> TestOutcome:
+        """Test i of an interactive problem: the submission's stdin and stdout are pipes to the
+        interactor's stdout and stdin, which runs in a jail of its own meanwhile."""
+        test = self.tests[i]
+        to_sub, from_interactor = os.pipe2(os.O_CLOEXEC)
+        to_interactor, from_sub = os.pipe2(os.O_CLOEXEC)
+        theirs = [to_interactor, from_interactor]  # the interactor's stdin and stdout, until it takes them
+        if self.interact is None:
+            for fd in theirs:
+                os.close(fd)
+            self.interactions[i] = Interaction(Check(TestStatus.internal_error, None,
+                                                     "no interactor runs on this worker"), b"")
+            task = None
+        else:
+            task = asyncio.ensure_future(self.interact((test.stdin or "").encode(),
+                                                       (test.expected_stdout or "").encode(), theirs,
+                                                       self.limits.wall_s))
+        try:
+            observed = await sub.test(i, b"", b"", self.limits.output_bytes, report_bytes(self.limits),
+                                      talk=(to_sub, from_sub))
+        except BaseException:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            raise
+        finally:
+            os.close(to_sub)  # the submission's ends are in its jail now (or it is gone): the interactor
+            os.close(from_sub)  # sees the end of its input once the test has ended
+            if task is not None and task.done():
+                for fd in theirs:  # a task cancelled before it ran never took them
+                    os.close(fd)
+                theirs.clear()
+        if task is not None:
+            try:
+                self.interactions[i] = await task
+            except Exception as exc:  # its jail could not run: no verdict, never the program's fault
+                logger.exception("an interactor could not run")
+                self.interactions[i] = Interaction(Check(TestStatus.internal_error, None,
+                                                         f"the interactor could not run: {exc!r}"[:500]), b"")
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+                theirs.clear()
+        return observed
 
     async def run_alone(self) -> bool:
         """The test at `index`, alone; whether the run goes on after it."""
@@ -287,9 +357,14 @@ class _Judging:
         while self.index < len(self.tests) and sub.alive:
             if time.monotonic() > self.deadline:
                 break
-            args, stdin = _test_input(self.tests[self.index], self.spec)
-            observed = await sub.test(self.index, args, stdin, self.limits.output_bytes, report_bytes(self.limits))
-            if observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded):
+            if self.spec.interactor is not None:
+                observed = await self.talk(sub, self.index)
+            else:
+                args, stdin = _test_input(self.tests[self.index], self.spec)
+                observed = await sub.test(self.index, args, stdin, self.limits.output_bytes,
+                                          report_bytes(self.limits))
+            if (observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded)
+                    and self.spec.interactor is None):  # an interactive test is not run again alone
                 self.alone = True
                 break
             if observed.done is not None and not observed.done.clean:

@@ -47,7 +47,7 @@ from codeenv.problems import ProblemStore
 from codeenv.sandbox import inside
 from codeenv.sandbox.budget import session_budget
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup, owner_alive
-from codeenv.sandbox.checker import Check, Checkers, Prepared
+from codeenv.sandbox.checker import Check, Checkers, Interaction, Prepared
 from codeenv.sandbox.compiler import Compiled, Compiler
 from codeenv.sandbox.image import Image, Profile, Progress, ensure_image
 from codeenv.sandbox.jail import JAIL_PACKAGE, ZYGOTE_PROC, check_traversable, nsjail_binary
@@ -115,6 +115,7 @@ class _Ran:
     problem: str | None = None  # why the judged jail must be recycled
     outcome: Outcome | None = None
     checker_failed: CompileInfo | None = None  # the problem's checker does not compile: nothing ran
+    helper: str = "checker"  # or its interactor
 
 
 class _SlotBroker:
@@ -465,14 +466,16 @@ class SlotPool:
                     return ran  # answered by _answer: nothing runs in the jail
                 program = ran.compiled.binary
             if request.judge is not None:
-                checker = None
-                if request.judge.checker is not None:
-                    prepared = await self._checker(slot, request.judge.checker)
+                helpers: list[Prepared | None] = []  # the problem's checker and interactor, compiled once
+                for spec in (request.judge.checker, request.judge.interactor):
+                    prepared = None if spec is None else await self._checker(
+                        slot, spec if isinstance(spec, CheckerSpec) else spec.as_checker())
                     if isinstance(prepared, CompileInfo):
-                        ran.checker_failed = prepared
+                        ran.checker_failed, ran.helper = prepared, "checker" if spec is request.judge.checker \
+                            else "interactor"
                         return ran
-                    checker = prepared
-                ran.judged, ran.problem = await self._judge(slot, zygote, program, request, limits, checker)
+                    helpers.append(prepared)
+                ran.judged, ran.problem = await self._judge(slot, zygote, program, request, limits, *helpers)
             else:
                 # Always pre-fork the next child: a child forked on demand must wait for the
                 # worker to raise its OOM score (a round trip per call), which costs more at
@@ -488,7 +491,7 @@ class SlotPool:
         if ran.checker_failed is not None:
             self._give_back(slot, zygote)
             return ExecResult(status=Status.internal_error, started=False, wall_s=round(wall_s, 6),
-                              message="the problem's checker does not compile (no test ran): "
+                              message=f"the problem's {ran.helper} does not compile (no test ran): "
                                       f"{ran.checker_failed.message or ''} {ran.checker_failed.stderr[-4000:]}".strip())
         if ran.compiled is not None and ran.compiled.binary is None:
             self._give_back(slot, zygote)
@@ -548,8 +551,9 @@ class SlotPool:
         assert self.checkers is not None
         return await self.checkers.prepare(spec, self._checker_uid(slot), self._group(slot, "compile"))
 
-    async def _judge(self, slot: Slot, zygote: CallJail, code: bytes, request: ExecRequest,
-                     limits: LimitValues, checker: Prepared | None = None) -> tuple[JudgeOutcome, str | None]:
+    async def _judge(self, slot: Slot, zygote: CallJail, code: bytes, request: ExecRequest, limits: LimitValues,
+                     checker: Prepared | None = None,
+                     interactor: Prepared | None = None) -> tuple[JudgeOutcome, str | None]:
         """Judge a submission in this slot: its tests one by one, the submission prepared once
         (again only after a test that ended its process). Returns why the jail must be recycled."""
         assert request.judge is not None
@@ -567,7 +571,15 @@ class SlotPool:
             async def check(stdin: bytes, output: bytes, answer: bytes) -> Check:
                 return await checkers.check(checker, stdin, output, answer, uid, group)
 
-        return await judge(zygote, code, request.judge, limits, total_wall_s, restart, check)
+        interact = None
+        if interactor is not None:
+            helpers, helper_uid, helper_group = self.checkers, self._checker_uid(slot), self._group(slot, "check")
+            assert helpers is not None
+
+            async def interact(stdin: bytes, answer: bytes, talk: list[int], wall_s: float) -> Interaction:
+                return await helpers.interact(interactor, stdin, answer, talk, wall_s, helper_uid, helper_group)
+
+        return await judge(zygote, code, request.judge, limits, total_wall_s, restart, check, interact)
 
     @staticmethod
     def _judged(judged: JudgeOutcome, wall_s: float) -> ExecResult:

@@ -253,7 +253,7 @@ def verdict(t: TestOutcome, test: JudgeTest, spec: JudgeSpec, limits: LimitValue
     if result.exit_code:
         return fail(TestStatus.error, message=f"exit code {result.exit_code}")
     if spec.fn_name is None:
-        if spec.checker is not None:  # the problem's checker decides (sandbox/judge.py): passed so far
+        if spec.checker is not None or spec.interactor is not None:  # they decide (sandbox/judge.py): passed so far
             return result
         actual = t.stdout.decode("utf-8", "replace")
         try:

@@ -254,9 +254,11 @@ class CallFiles:
 
     def __init__(self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]] | None,
                  fetch: list[str] | None, fetch_bytes: int, report_bytes: int = REPORT_BYTES,
-                 shared: SharedFds | None = None) -> None:
+                 shared: SharedFds | None = None, talk: tuple[int, int] | None = None) -> None:
         """`shared`: a judged test's fds; its empty code (arguments) memfd, report and setup memfds
-        are the submission's (dup'd to send), only its input and output pipes are its own."""
+        are the submission's (dup'd to send), only its input and output pipes are its own. `talk`:
+        an interactive test's stdin and stdout (the interactor's pipes, dup'd to send); its stdout
+        drain then sees nothing."""
         self.theirs: list[int] = []
         self._ours: list[int] = []
         self._drains: list[Drain] = []
@@ -266,8 +268,16 @@ class CallFiles:
                 self.theirs.append(sealed_memfd("code", code))
             else:
                 self.theirs.append(sealed_memfd("args", code) if code else os.dup(shared.no_args))
-            self.theirs.append(sealed_memfd("stdin", stdin))
-            self.stdout, self.stderr = (self._pipe() for _ in range(2))
+            if talk is None:
+                self.theirs.append(sealed_memfd("stdin", stdin))
+                self.stdout, self.stderr = (self._pipe() for _ in range(2))
+            else:
+                self.theirs.append(os.dup(talk[0]))
+                self.stdout, unused = os.pipe2(os.O_CLOEXEC)  # an empty stream: the interactor reads the output
+                os.close(unused)
+                self._ours.append(self.stdout)
+                self.theirs.append(os.dup(talk[1]))
+                self.stderr = self._pipe()
             if shared is None:
                 self.report, self.setup = self._memfd("report", report_bytes), self._memfd("setup", REPORT_BYTES)
             else:

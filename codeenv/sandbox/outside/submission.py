@@ -121,9 +121,10 @@ class Submission:
             self.zygote.send({"op": Ctl.KILL, "seq": self.seq})
         return None
 
-    async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int) -> TestOutcome:
+    async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int,
+                   talk: tuple[int, int] | None = None) -> TestOutcome:
         """Run one test in a fresh child of the prepared process; its limits are the call's, less
-        the preparation's CPU time."""
+        the preparation's CPU time. `talk`: an interactive test's stdin and stdout (CallFiles)."""
         z, limits = self.zygote, self.limits
         out = TestOutcome(report_bytes=report_bytes)
         oom0, pids0 = z.cgroup.oom_kills(), z.cgroup.pids_limit_hits()
@@ -139,7 +140,7 @@ class Submission:
             with contextlib.suppress(OSError):
                 self.sock.send(encode({"op": Judge.KILL}))
 
-        with CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared) as files:
+        with CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared, talk=talk) as files:
             try:
                 socket.send_fds(self.sock, [encode({
                     "op": Judge.TEST, "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
