@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 #: A package's file and the file of its test count, by its name.
 PACKAGE, COUNT = ".json", ".tests"
 #: Parsed packages a worker keeps in memory: at most this many, of at most this many bytes of JSON.
-PARSED_KEEP, PARSED_BYTES = 8, 1 << 30
+PARSED_KEEP, PARSED_BYTES = 8, 256 << 20
 #: What validating a package may take: its parse, in multiples of its size, plus this much; and time.
 PARSED_TIMES, PARSED_SLACK_BYTES, VALIDATE_TIMEOUT_S = 4, 256 << 20, 120.0
 #: A fetch from the gateway that holds a package.

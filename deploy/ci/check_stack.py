@@ -8,6 +8,8 @@ The token comes from CODEENV_TOKEN; the Redis port the jails must not reach from
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import sys
@@ -95,6 +97,20 @@ def spread(url: str, workers: int) -> None:
         results = batch(http, [{"code": f"import time\ntime.sleep(0.3)\nprint({i})"} for i in range(24)])
         bad = [r for r in results if r["status"] != "ok"]
         check(not bad, f"a batch of {len(results)} calls spread over the workers", bad[:2])
+        # A problem package uploaded to the gateway once: the workers fetch it from there (its public_url).
+        body = json.dumps({"tests": [{"stdin": str(i), "expected_stdout": str(2 * i)} for i in range(20)],
+                           "limits": {"cpu_s": 2}}).encode()
+        sha = hashlib.sha256(body).hexdigest()
+        put = http.put(f"/v1/problems/{sha}", content=body, headers={"content-type": "application/json"})
+        check(put.status_code in (200, 201), "a problem package uploaded to the gateway", put.text)
+        code = "import time\ntime.sleep(0.2)\nprint(int(input()) * 2)"
+        judged = http.post("/v1/judge/batch", json={"requests": [{"code": code, "problem": sha}] * 8})
+        judged.raise_for_status()
+        verdicts = judged.json()["results"]
+        failed = [r for r in verdicts if r["status"] != "passed"]
+        on = len({r["worker"].rsplit("/", 1)[0] for r in verdicts})
+        check(not failed, f"{len(verdicts)} submissions judged by reference on {on} workers, which fetched the "
+                          "package from the gateway", failed[:2])
 
 
 if __name__ == "__main__":
