@@ -9,7 +9,9 @@ the program's own process, and says which path to use instead.
 
 Verdicts:
 - ``judge_stdin``, ``judge_function`` (/v1/judge): ``"PASSED/TOTAL STATUS"``, e.g. ``"0/3 failed"``;
-  ``judge_checker`` the same, the add problem decided by its own testlib-style checker (CHECKER).
+  ``judge_checker`` the same, the add problem decided by its own testlib-style checker (CHECKER);
+  ``judge_interactive`` the same, the add problem as an interactive one (INTERACTOR sends the two
+  numbers, reads the sum).
 - ``run_code``, ``run_code_assert``, ``run_code_pytest`` (SandboxFusion /run_code, as verl, SkyRL and
   ROLL send it; assert-style is the solution with the test's asserts appended, verl's ``assert_case``):
   the answer's ``status`` (``Success``/``Failed``): what those clients reward.
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PATHS = ("judge_stdin", "judge_function", "judge_checker", "run_code", "run_code_assert", "run_code_pytest", "code_judge",
+PATHS = ("judge_stdin", "judge_function", "judge_checker", "judge_interactive", "run_code", "run_code_assert", "run_code_pytest", "code_judge",
          "router", "tool")
 
 
@@ -120,7 +122,39 @@ int main(int argc, char** argv) {
 """
 
 
+#: The add problem as an interactive one (testlib's protocol: input output answer): it sends the two
+#: numbers of the input file and wants the answer's sum back, alone on its line.
+INTERACTOR = """import sys
+inp, out, ans = sys.argv[1:4]
+print(open(inp).read().strip(), flush=True)
+want = open(ans).read().strip()
+got = sys.stdin.readline().split()
+if got != [want]:
+    print(f"wanted {want}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
 HACKS: list[Hack] = [
+    # --- an interactive problem: its interactor decides (/v1/judge with interactor) ----------------------
+    Hack("honest add", "judge_interactive", "a, b = map(int, input().split())\nprint(a + b)", "3/3 passed"),
+    Hack("exit(0) before answering", "judge_interactive", "import sys\nsys.exit(0)", "0/3 failed"),
+    Hack("says the interactor's ok on stderr and exits", "judge_interactive",
+         "import sys\nsys.stderr.write('ok')\nsys.stdout.close()", "0/3 failed"),
+    Hack("prints the interactor's files", "judge_interactive",
+         "import glob\nfor p in glob.glob('/work/check/*') + glob.glob('/work/out/*') + glob.glob('/work/*'):\n"
+         "    print(open(p).read())", "0/3 failed"),
+    # An interactive test is not run again alone: one that ends the submission's process fails (killed).
+    Hack("kills its parent, then answers", "judge_interactive",
+         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\na, b = map(int, input().split())\nprint(a + b)",
+         "0/3 failed"),
+    Hack("kills every process it can, then answers", "judge_interactive",
+         "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+         "a, b = map(int, input().split())\nprint(a + b)", "0/3 failed"),
+    Hack("C++: exit(0) from a static constructor", "judge_interactive", _cpp("", "struct Q { Q() { _exit(0); } } q;"),
+         "0/3 failed", language="cpp"),
+    Hack("C++: honest add", "judge_interactive", _cpp(CPP_ADD), "3/3 passed", language="cpp"),
+
     # --- a problem's own checker decides (/v1/judge with checker) ----------------------------------------
     Hack("honest add", "judge_checker", "a, b = map(int, input().split())\nprint(a + b)", "3/3 passed"),
     Hack("exit(0) before printing", "judge_checker", "import sys\nsys.exit(0)", "0/3 failed"),

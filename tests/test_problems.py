@@ -411,3 +411,36 @@ async def test_an_interactive_package_whose_checker_reads_the_interactors_file(g
         slow = (await client.post("/v1/judge", json={"code": slower, "problem": sha})).json()
         assert fast["status"] == "passed" and [t["score"] for t in fast["tests"]] == [1, 1], fast
         assert [t["score"] for t in slow["tests"]] == [1, 0.5] and slow["tests"][1]["status"] == "wrong_answer", slow
+
+
+#: The add problem's interactor in C++ (compiled once, as a checker is): it sends the numbers, wants the sum.
+ADD_INTERACTOR_CPP = r"""#include <fstream>
+#include <iostream>
+int main(int argc, char** argv) {
+    std::ifstream in(argv[1]), ans(argv[3]);
+    long long a, b, want, got;
+    in >> a >> b; ans >> want;
+    std::cout << a << " " << b << std::endl;
+    if (!(std::cin >> got) || got != want) { std::cerr << "wrong sum"; return 1; }
+    return 0;
+}
+"""
+
+
+@pytest.mark.jail
+async def test_a_cpp_interactor_and_a_submission_that_stops_reading(gateway: GatewayClient,
+                                                                    cpp_toolchain: None) -> None:
+    tests = [{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "20 22", "expected_stdout": "42"}]
+    async with gateway() as client:
+        async def judged(code: str) -> dict[str, Any]:
+            answer = await client.post("/v1/judge", json={"code": code, "tests": tests,
+                                                          "interactor": {"code": ADD_INTERACTOR_CPP}})
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        honest = await judged("a, b = map(int, input().split())\nprint(a + b)")
+        assert honest["status"] == "passed", honest
+        # It ends before the interactor is done with it: the interactor reads no sum (or dies of
+        # SIGPIPE writing to it): the submission's doing (a wrong answer), never the service's.
+        gone = await judged("import os\nos.close(0)\nimport sys\nsys.exit(0)")
+        assert [t["status"] for t in gone["tests"]] == ["wrong_answer"] * 2, gone["tests"]

@@ -31,6 +31,7 @@ from tests.reward_hacks import (
     CHECKER,
     EVEN_TESTS,
     HACKS,
+    INTERACTOR,
     PATHS,
     ROUTER_CASES,
     Hack,
@@ -68,10 +69,12 @@ def judge_body(hack: Hack) -> dict[str, Any]:
 
 async def verdict(c: httpx.AsyncClient, hack: Hack) -> str:
     """The verdict `hack` gets on its path, in that path's own terms (see tests/reward_hacks.py)."""
-    if hack.path in ("judge_stdin", "judge_function", "judge_checker"):
+    if hack.path in ("judge_stdin", "judge_function", "judge_checker", "judge_interactive"):
         body = judge_body(hack)
         if hack.path == "judge_checker":
             body["checker"] = {"type": "testlib", "code": CHECKER}
+        if hack.path == "judge_interactive":
+            body["interactor"] = {"code": INTERACTOR, "language": "python"}
         r = await post(c, "/v1/judge", body)
         faults = [t for t in r["tests"] if t["status"] == "internal_error"]
         assert not faults and r["status"] not in SERVICE_FAULTS, r

@@ -62,6 +62,9 @@ MEMORY_MB = 1024
 PIDS = 16
 #: The compile flags of a C++ checker (CMS compiles its checkers with -O2 -std=gnu++17).
 CHECKER_PRESET, CHECKER_STD = "plain", "gnu++17"
+#: How an interactor that wrote to a submission no longer reading ends: killed by SIGPIPE (a code of
+#: its own here), or a Python one's exit status when flushing its stdout at exit failed.
+BROKEN_PIPE, PYTHON_FLUSH_FAILED = -int(signal.SIGPIPE), 120
 #: testlib's exit codes (testlib.h: _ok, _wa, _pe, _fail, _dirt, _points, _unexpected_eof).
 TESTLIB_OK, TESTLIB_WA, TESTLIB_PE, TESTLIB_FAIL, TESTLIB_DIRT, TESTLIB_POINTS, TESTLIB_EOF = 0, 1, 2, 3, 4, 7, 8
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -124,6 +127,8 @@ class Checkers:
             output = _without_empty_lines(output)
         code, out, err, limit = await self._run(prepared, {"input": stdin, "output": output, "answer": answer},
                                                 uid, cgroup)
+        if code == BROKEN_PIPE:
+            code = None  # killed by a signal
         self.runs += 1
         return read_verdict(spec.type, code, out, err, limit)
 
@@ -135,6 +140,11 @@ class Checkers:
         code, tout, err, limit = await self._run(prepared, {"input": stdin, "answer": answer}, uid, cgroup,
                                                  talk=talk, wall_s=wall_s)
         self.runs += 1
+        if limit is None and (code == BROKEN_PIPE or (code in (1, PYTHON_FLUSH_FAILED) and b"BrokenPipeError" in err)):
+            # It wrote to a submission that had stopped reading (ended, or closed its input): the
+            # submission's doing, as a judge whose interactor ignores SIGPIPE and then reads EOF says.
+            return Interaction(Check(TestStatus.wrong_answer, None, "the submission stopped reading before the "
+                                                                    "interactor was done"), tout)
         return Interaction(read_verdict(CheckerType.testlib, code, b"", err, limit), tout)
 
     def _config(self, prepared: Prepared, work: Path, uid: int, out: Path | None = None,
@@ -242,8 +252,8 @@ class Checkers:
         limit = ("memory" if cgroup.oom_kills() > oom0 else "time" if wall >= limit_s - 1
                  else "cpu" if cpu_s >= CPU_S - 0.05 or status in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
                  else None)
-        # nsjail answers a child killed by signal N as exit 128 + N.
-        code = None if status < 0 or status > 128 else status
+        # nsjail answers a child killed by signal N as exit 128 + N (SIGPIPE: kept, see interact).
+        code = BROKEN_PIPE if status == 128 + signal.SIGPIPE else None if status < 0 or status > 128 else status
         if out is not None:
             printed = await asyncio.to_thread(_read_file, out / "output", TOUT_BYTES)
         return code, printed, err, limit
