@@ -168,10 +168,12 @@ class ProblemStore:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), VALIDATE_TIMEOUT_S)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+            if isinstance(exc, TimeoutError):
+                raise InvalidRequest(f"the package took over {VALIDATE_TIMEOUT_S:g}s to validate") from None
             raise
         if proc.returncode == 0:
             return int(out)

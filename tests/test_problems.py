@@ -444,3 +444,11 @@ async def test_a_cpp_interactor_and_a_submission_that_stops_reading(gateway: Gat
         # SIGPIPE writing to it): the submission's doing (a wrong answer), never the service's.
         gone = await judged("import os\nos.close(0)\nimport sys\nsys.exit(0)")
         assert [t["status"] for t in gone["tests"]] == ["wrong_answer"] * 2, gone["tests"]
+
+
+@pytest.mark.jail
+async def test_a_gateway_that_cannot_store_a_package_says_so(gateway: GatewayClient) -> None:
+    body, _ = package(1)
+    async with gateway(problem_dir="/proc/codeenv-nowhere") as client:
+        answer = await put(client, body)
+        assert answer.status_code == 507 and "cannot store" in answer.text, answer.text

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import pathlib
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from codeenv.api.service import Gateway
@@ -66,6 +68,7 @@ def router(gateway: Gateway) -> APIRouter:
              responses={200: {"model": ProblemStored, "description": "held already: nothing changed"},
                         400: {"description": "the body's sha256 is not the name in the path"},
                         413: {"description": "over problem_max_mb"},
+                        507: {"description": "the gateway could not store it (its disk)"},
                         415: {"description": "not sent as application/json"},
                         422: {"description": "not a problem package (the message says what to fix)"}})
     async def put_problem(request: Request, sha256: str = name_param) -> Response:
@@ -79,7 +82,10 @@ def router(gateway: Gateway) -> APIRouter:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > most:
             raise ApiError(413, f"the package is {declared} bytes; the limit is {most} (problem_max_mb)")
-        tmp = store.temp(sha256)
+        try:
+            tmp = store.temp(sha256)
+        except OSError as exc:
+            raise ApiError(507, f"the gateway cannot store problems: {exc}") from None
         try:
             size = await _receive(request, tmp, sha256, most, settings.body_timeout_s + most / SLOWEST_UPLOAD)
             count = store.tests(sha256)
@@ -94,6 +100,9 @@ def router(gateway: Gateway) -> APIRouter:
                 store.keep(sha256, tmp, count)
             else:
                 tmp.unlink()
+        except OSError as exc:  # e.g. its disk is full
+            tmp.unlink(missing_ok=True)
+            raise ApiError(507, f"the gateway could not store the package: {exc}") from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -101,15 +110,28 @@ def router(gateway: Gateway) -> APIRouter:
         stored = ProblemStored(sha256=sha256, tests=count, bytes=size, created=created)
         return JSONResponse(stored.model_dump(), 201 if created else 200)
 
-    @api.get("/v1/problems/{sha256}", response_class=FileResponse,
+    @api.get("/v1/problems/{sha256}", response_class=StreamingResponse,
              responses={200: {"description": "the package's JSON body", "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/ProblemPackage"}}}},
                         404: {"description": "not held here"}})
     async def get_problem(sha256: str = name_param) -> Response:
         """A problem package held here, as it was uploaded (its workers fetch it so)."""
-        if store.tests(sha256) is None:
-            raise ApiError(404, f"problem {sha256} is not held here")
-        return FileResponse(store.path(sha256), media_type="application/json")
+        try:
+            if store.tests(sha256) is None:
+                raise FileNotFoundError
+            fd = os.open(store.path(sha256), os.O_RDONLY | os.O_CLOEXEC)  # held open: the LRU may remove it
+        except FileNotFoundError:
+            raise ApiError(404, f"problem {sha256} is not held here") from None
+        size = os.fstat(fd).st_size
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while chunk := await asyncio.to_thread(os.read, fd, 1 << 20):
+                    yield chunk
+            finally:
+                os.close(fd)
+
+        return StreamingResponse(chunks(), media_type="application/json", headers={"Content-Length": str(size)})
 
     return api
 
