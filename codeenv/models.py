@@ -595,13 +595,18 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
 
 
 class InteractorSpec(BaseModel):
-    """An interactive problem's interactor (testlib's protocol): it talks with the submission through
+    """An interactive problem's interactor. testlib's protocol: it talks with the submission through
     its stdin and stdout, called as `interactor input output answer`, and exits 0 (accepted), 1 or 4
-    (wrong answer), 2 (presentation error), 7 (points, on stderr) or 3 (it failed)."""
+    (wrong answer), 2 (presentation error), 7 (points, on stderr) or 3 (it failed). manager: CMS's
+    Communication task with one process: called as `manager FROM_USER TO_USER` (the submission's
+    stdout and stdin), the test's input on its stdin, it prints a score from 0 to 1 on its stdout
+    and a message on stderr (or, where the problem has a checker, what the checker reads)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     code: Text = Field(description="the interactor's source")
+    protocol: Literal["testlib", "manager"] = Field("testlib", description="testlib (an interactor) or manager "
+                                                                           "(CMS's Communication, one process)")
     language: Literal["cpp", "python"] = Field("cpp", description="cpp (compiled once, g++ -O2 -std=gnu++17) "
                                                                   "or python")
     files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,

@@ -116,13 +116,35 @@ int main(int argc, char** argv) {
 """
 
 
+#: The same task as a Communication one (one process, std_io): the stub talks with the manager
+#: through its stdin and stdout; the manager sends the numbers and scores the sum.
+IOI_STUB = ('#include "sumtask.h"\n#include <iostream>\nint main() { long long a, b; '
+            'while (std::cin >> a >> b) std::cout << add(a, b) << std::endl; }\n')
+IOI_MANAGER = r"""#include <fstream>
+#include <iostream>
+int main(int argc, char** argv) {
+    std::ifstream from_user(argv[1]); std::ofstream to_user(argv[2]);
+    long long a, b, got; std::cin >> a >> b;
+    to_user << a << " " << b << std::endl;
+    if (!(from_user >> got)) { std::cout << 0 << std::endl; std::cerr << "translate:wrong" << std::endl; return 0; }
+    bool right = got == a + b;
+    std::cout << (right ? 1 : 0) << std::endl;
+    std::cerr << (right ? "translate:success" : "translate:wrong") << std::endl;
+}
+"""
+
+
 async def ioi(api: httpx.AsyncClient, submission: str, test_input: str, test_output: str | None, *,
-              checker: bool = True, task_type: str = "Batch", time_limit: float = 1) -> dict[str, Any]:
+              checker: bool = True, task_type: str = "Batch", time_limit: float = 1,
+              processes: int = 1) -> dict[str, Any]:
     """One test as open-r1's ioi_scoring.run_submission sends it."""
-    grader_files = [("graders/sumtask.h", IOI_HEADER), ("graders/grader.cpp", IOI_GRADER),
+    communication = task_type == "Communication"
+    grader_files = [("graders/sumtask.h", IOI_HEADER),
+                    *([("graders/stub.cpp", IOI_STUB), ("graders/manager.cpp", IOI_MANAGER)] if communication
+                      else [("graders/grader.cpp", IOI_GRADER)]),
                     ("graders/grader_config.json", json.dumps({
                         "task_type": task_type, "code": "sumtask", "time_limit": time_limit,
-                        "memory_limit": 256 << 20, "task_type_parameters_Communication_num_processes": 1})),
+                        "memory_limit": 256 << 20, "task_type_parameters_Communication_num_processes": processes})),
                     ("checker/checker.cpp", IOI_CHECKER if checker else "")]
     data = {"files": [{"name": "graders/sumtask.cpp", "content": submission},
                       {"name": "input.txt", "content": test_input},
@@ -160,11 +182,24 @@ async def test_ioi_batch_task_linked_with_its_grader_and_scored_by_its_checker(a
     assert ioi_score(await ioi(api, near, "1 2", "3", checker=False)) == (0.0, "Output isn't correct (diff)\n")
 
 
+async def test_ioi_communication_task_with_its_manager(api: httpx.AsyncClient) -> None:
+    right = '#include "sumtask.h"\nlong long add(long long a, long long b) { return a + b; }\n'
+    wrong = '#include "sumtask.h"\nlong long add(long long a, long long b) { return a - b; }\n'
+    assert ioi_score(await ioi(api, right, "20 22", "42", checker=False, task_type="Communication")) == \
+        (1.0, "translate:success\n")
+    assert ioi_score(await ioi(api, wrong, "20 22", "42", checker=False, task_type="Communication")) == \
+        (0.0, "translate:wrong\n")
+    # With the answer and a checker, the checker scores what the manager printed (here its own 1 or 0).
+    assert ioi_score(await ioi(api, right, "1 2", "1", task_type="Communication"))[0] == 1.0
+
+
 async def test_what_piston_refuses_is_a_400_with_its_message(api: httpx.AsyncClient) -> None:
     right = '#include "sumtask.h"\nlong long add(long long a, long long b) { return a + b; }\n'
-    communication = await ioi(api, right, "1 2", "3", task_type="Communication")
+    communication = await ioi(api, right, "1 2", "3", task_type="Communication", processes=2)
     assert communication["http_status"] == 400
-    assert "task type 'Communication' is not supported" in communication["message"], communication
+    assert "2 processes" in communication["message"], communication
+    output_only = await ioi(api, right, "1 2", "3", task_type="OutputOnly")
+    assert output_only["http_status"] == 400 and "OutputOnly" in output_only["message"], output_only
     r = await api.post("/api/v2/execute", json={"language": "brainfuck", "version": "*",
                                                 "files": [{"content": "+"}]})
     assert (r.status_code, r.json()["message"]) == (400, "brainfuck-* runtime is unknown")

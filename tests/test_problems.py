@@ -452,3 +452,51 @@ async def test_a_gateway_that_cannot_store_a_package_says_so(gateway: GatewayCli
     async with gateway(problem_dir="/proc/codeenv-nowhere") as client:
         answer = await put(client, body)
         assert answer.status_code == 507 and "cannot store" in answer.text, answer.text
+
+
+#: CMS's Communication task (one process, std_io), as open-r1's cms_ioi package runs it: the manager
+#: gets the pipes from and to the submission as its two arguments, the test's input on its stdin,
+#: and prints a score from 0 to 1 (a message on stderr).
+SQUARE_MANAGER = """import sys
+from_user, to_user = sys.argv[1:3]
+n = int(sys.stdin.read())
+with open(to_user, "w") as out, open(from_user) as back:
+    print(n, file=out, flush=True)
+    said = back.readline().strip()
+score = 1 if said == str(n * n) else 0.5 if said == str(-n * n) else 0
+print(score)
+print("translate:success" if score == 1 else "translate:wrong", file=sys.stderr)
+"""
+SQUARE_MANAGER_CPP = r"""#include <fstream>
+#include <iostream>
+#include <string>
+int main(int argc, char** argv) {
+    long long n; std::cin >> n;
+    std::ofstream out(argv[2]); std::ifstream back(argv[1]);
+    out << n << std::endl;
+    std::string said; back >> said;
+    std::cout << (said == std::to_string(n * n) ? "1" : "0") << std::endl;
+    std::cerr << "translate:done" << std::endl;
+}
+"""
+
+
+@pytest.mark.jail
+async def test_a_communication_task_with_a_manager(gateway: GatewayClient, cpp_toolchain: None) -> None:
+    tests = [{"stdin": str(n), "expected_stdout": ""} for n in (3, 12)]
+    async with gateway() as client:
+        async def judged(code: str, manager: str, language: str = "python") -> dict[str, Any]:
+            answer = await client.post("/v1/judge", json={"code": code, "tests": tests, "interactor": {
+                "code": manager, "language": language, "protocol": "manager"}})
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        right = await judged("n = int(input())\nprint(n * n)", SQUARE_MANAGER)
+        assert right["status"] == "passed" and [t["score"] for t in right["tests"]] == [1, 1], right
+        half = await judged("n = int(input())\nprint(-n * n)", SQUARE_MANAGER)
+        assert [(t["status"], t["score"]) for t in half["tests"]] == [("wrong_answer", 0.5)] * 2, half
+        assert half["tests"][0]["message"] == "translate:wrong"
+        gone = await judged("pass", SQUARE_MANAGER)
+        assert {t["status"] for t in gone["tests"]} == {"wrong_answer"}, gone
+        cpp = await judged("n = int(input())\nprint(n * n)", SQUARE_MANAGER_CPP, "cpp")
+        assert cpp["status"] == "passed", cpp

@@ -19,7 +19,10 @@ and `graders/stub.cpp` where present and the headers beside them (`-DEVAL -std=g
 `input.txt` under `graders/grader_config.json`'s `time_limit` (s) and `memory_limit` (bytes), scored
 by `checker/checker.cpp` (CMS's protocol: a score on stdout, a message on stderr) or by comparing with
 `correct_output.txt`: `run.stdout` is the score, `run.stderr` the checker's message or why it failed.
-Communication tasks (a manager and the solution's processes) answer a 400 that says so.
+Communication tasks with one process talking through its stdin and stdout (the package's default):
+`graders/manager.cpp` is compiled alone (with the headers beside it) and run as the package runs it,
+`manager FROM_USER TO_USER` with `input.txt` on its stdin; its score, or the checker's on what it
+printed, is `run.stdout`. Several processes, or `fifo_io`, answer a 400 that says so.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from codeenv.models import (
     CppStd,
     ExecRequest,
     ExecResult,
+    InteractorSpec,
     JudgeRequest,
     JudgeTest,
     Language,
@@ -289,10 +293,12 @@ async def cms_ioi(request: Request, gateway: Gateway, body: PistonExecute, name:
         assert isinstance(config, dict)
     except (ValueError, AssertionError):
         raise ApiError(400, "graders/grader_config.json is not a JSON object") from None
-    if config.get("task_type", "Batch") != "Batch":
-        raise ApiError(400, f"task type {config.get('task_type')!r} is not supported here yet (Batch tasks are)")
+    task_type = config.get("task_type", "Batch")
+    if task_type not in ("Batch", "Communication"):
+        raise ApiError(400, f"task type {task_type!r} is not supported here (Batch and Communication tasks are)")
     graders = {path.removeprefix("graders/"): text for path, text in files.items()
                if path.startswith("graders/") and path.count("/") == 1}
+    manager = _manager(config, graders) if task_type == "Communication" else None
     headers = sorted(n for n in graders if n.endswith(".h") and n != "testlib.h")
     task = headers[0].removesuffix(".h") if headers else str(config.get("code", ""))
     solution = graders.pop(f"{task}.cpp", None)
@@ -310,14 +316,16 @@ async def cms_ioi(request: Request, gateway: Gateway, body: PistonExecute, name:
                                      if p.startswith("checker/") and p.count("/") == 1 and p != "checker/checker.cpp"
                                      and not p.endswith(".cpp")})
     expected = files.get("correct_output.txt")
-    if expected is None and checker is None:
+    if expected is None and checker is None and manager is None:
         raise ApiError(400, "correct_output.txt not found: the package prints the output, which codeenv does not "
                             "(send the answer, or call /v1/execute)")
+    if manager is not None and expected is None:
+        checker = None  # the package runs its checker only with the answer: the manager's score stands
     try:
         judged = JudgeRequest(code=solution, language="cpp", preset="ioi", graders=beside,
                               tests=[JudgeTest(stdin=files.get("input.txt", body.stdin),
                                                expected_stdout=expected or "")],
-                              compare=Compare.tokens, checker=checker,
+                              compare=Compare.tokens, checker=checker, interactor=manager,
                               limits=_limits(gateway, time_s, memory_mb, body.run_timeout))
     except ValidationError as exc:
         raise ApiError(400, "; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
@@ -331,7 +339,7 @@ async def cms_ioi(request: Request, gateway: Gateway, body: PistonExecute, name:
         return _answer(name, _stage(code=None), _stage(stderr=compiled.stderr, code=1))
     test = result.judge.tests[0]
     if test.status in (TestStatus.passed, TestStatus.wrong_answer):
-        if checker is None:
+        if checker is None and manager is None:
             said = "Output is correct (diff)" if test.status is TestStatus.passed else "Output isn't correct (diff)"
             return _answer(name, _stage("1\n" if test.status is TestStatus.passed else "0\n", said + "\n"), _stage())
         score = test.score if test.score is not None else 0.0
@@ -342,6 +350,21 @@ async def cms_ioi(request: Request, gateway: Gateway, body: PistonExecute, name:
     if test.limit is LimitName.memory:
         said = "Memory limit exceeded"
     return _answer(name, _stage("0\n", said + "\n"), _stage())  # the package exits 0 here
+
+
+def _manager(config: dict[str, Any], graders: dict[str, str]) -> InteractorSpec:
+    """A Communication task's manager, as the package compiles and runs it (one process, std_io)."""
+    processes = config.get("task_type_parameters_Communication_num_processes", 1)
+    user_io = config.get("task_type_parameters_Communication_user_io", "std_io")
+    if processes not in (1, None) or user_io not in ("std_io", None):
+        raise ApiError(400, f"Communication tasks with {processes} processes and user_io {user_io!r} are not "
+                            "supported here yet (one process talking through its stdin and stdout is)")
+    if config.get("task_type_parameters_Communication_manager_args"):
+        raise ApiError(400, "Communication tasks with manager_args are not supported here yet")
+    if "manager.cpp" not in graders:
+        raise ApiError(400, "graders/manager.cpp not found: a Communication task needs its manager")
+    return InteractorSpec(code=graders.pop("manager.cpp"), protocol="manager", language="cpp",
+                          files={n: t for n, t in graders.items() if n.endswith((".h", ".hpp"))})
 
 
 def router(gateway: Gateway) -> APIRouter:

@@ -133,22 +133,35 @@ class Checkers:
         return read_verdict(spec.type, code, out, err, limit)
 
     async def interact(self, prepared: Prepared, stdin: bytes, answer: bytes, talk: list[int],
-                       wall_s: float, uid: int, cgroup: JailCgroup) -> Interaction:
+                       wall_s: float, uid: int, cgroup: JailCgroup, manager: bool = False,
+                       checked: bool = False) -> Interaction:
         """Run an interactor through one test: `talk` is its stdin and stdout (the submission's
         output and input pipes), each closed here and taken off the list once it has them (or the
-        run failed); it may run `wall_s` seconds."""
+        run failed); it may run `wall_s` seconds. A `manager` (CMS's Communication) gets them as
+        its two arguments instead, the test's input on its stdin, and prints a score, or what the
+        problem's checker reads where it is `checked`."""
         code, tout, err, limit = await self._run(prepared, {"input": stdin, "answer": answer}, uid, cgroup,
-                                                 talk=talk, wall_s=wall_s)
+                                                 talk=talk, wall_s=wall_s, manager=manager)
         self.runs += 1
-        if limit is None and (code == BROKEN_PIPE or (code in (1, PYTHON_FLUSH_FAILED) and b"BrokenPipeError" in err)):
+        if manager and not self._broken_pipe(code, err, limit):
+            if checked and code == 0 and limit is None:
+                return Interaction(Check(TestStatus.passed, None, ""), tout)
+            return Interaction(_named(read_verdict(CheckerType.cms, code, tout, err, limit), "manager"), tout)
+        if self._broken_pipe(code, err, limit):
             # It wrote to a submission that had stopped reading (ended, or closed its input): the
             # submission's doing, as a judge whose interactor ignores SIGPIPE and then reads EOF says.
             return Interaction(Check(TestStatus.wrong_answer, None, "the submission stopped reading before the "
                                                                     "interactor was done"), tout)
-        return Interaction(read_verdict(CheckerType.testlib, code, b"", err, limit), tout)
+        return Interaction(_named(read_verdict(CheckerType.testlib, code, b"", err, limit), "interactor"), tout)
+
+    @staticmethod
+    def _broken_pipe(code: int | None, err: bytes, limit: str | None) -> bool:
+        """An interactor that ended writing to a submission no longer reading."""
+        return limit is None and (code == BROKEN_PIPE or (code in (1, PYTHON_FLUSH_FAILED)
+                                                          and b"BrokenPipeError" in err))
 
     def _config(self, prepared: Prepared, work: Path, uid: int, out: Path | None = None,
-                wall_s: float = 0) -> NsJailConfig:
+                wall_s: float = 0, manager: list[int] | None = None) -> NsJailConfig:
         spec = prepared.spec
         ids = [IdMap(inside_id=str(SANDBOX_UID), outside_id=str(uid), count=1)]
         files = {"input": f"{CHECK_DIR}/input", "output": f"{CHECK_DIR}/output", "answer": f"{CHECK_DIR}/answer"}
@@ -158,6 +171,8 @@ class Checkers:
         if out is not None:  # an interactor's output is its own file
             files["output"] = f"{OUT_DIR}/output"
         args = [files[name] for name in order]
+        if manager is not None:  # the two pipes, passed in and opened by their paths
+            args = [f"/proc/self/fd/{fd}" for fd in manager]
         # A fresh tmpfs at the work dir (the image's /tmp links to it), the check's files read-only in it.
         mounts = [MountPt(dst=WORKDIR, fstype="tmpfs", options=f"size=64m,mode=0700,uid={SANDBOX_UID},"
                                                                 f"gid={SANDBOX_UID}", rw=True, is_dir=True,
@@ -166,6 +181,8 @@ class Checkers:
                   MountPt(src="/dev/null", dst="/dev/null", is_bind=True, rw=True)]
         if out is not None:
             mounts.insert(2, MountPt(src=str(out), dst=OUT_DIR, is_bind=True, rw=True))
+        if manager is not None:  # a procfs of its own pid namespace: /proc/self/fd/N are its own fds
+            mounts.append(MountPt(dst="/proc", fstype="proc", rw=False, is_dir=True))
         env = jail_env(self.image)  # HOME and TMPDIR: the work dir
         if spec.language == "python":
             mounts.insert(0, MountPt(src=str(self.image.root), dst="/", is_bind=True, rw=False))
@@ -186,17 +203,17 @@ class Checkers:
             clone_newnet=True, clone_newuser=True, clone_newns=True, clone_newpid=True, clone_newipc=True,
             clone_newuts=True, clone_newcgroup=True, uidmap=ids, gidmap=ids, mount=mounts,
             seccomp_string=[seccomp_policy(self.settings, self.image)],
-            exec_bin=exe,
+            exec_bin=exe, pass_fd=list(manager or []),
         )
 
     async def _run(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup,
-                   talk: list[int] | None = None,
-                   wall_s: float = 0) -> tuple[int | None, bytes, bytes, str | None]:
+                   talk: list[int] | None = None, wall_s: float = 0,
+                   manager: bool = False) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code or None if a signal ended it, stdout, stderr, the limit that stopped it); an
         interactor's (`talk`: its stdin and stdout, closed here) output file instead of its stdout."""
         top = self.runtime_dir / f"check-{uid}-{next(self._count)}"
         work = top / "work"
-        out = top / "out" if talk is not None else None
+        out = top / "out" if talk is not None and not manager else None
         pending = talk if talk is not None else []
         try:
             work.mkdir(parents=True)
@@ -204,15 +221,15 @@ class Checkers:
                 out.mkdir()
                 os.chown(out, uid, uid)
                 os.chmod(out, 0o700)
-            return await self._run_in(prepared, files, uid, cgroup, top, work, out, pending, wall_s)
+            return await self._run_in(prepared, files, uid, cgroup, top, work, out, pending, wall_s, manager)
         finally:
             while pending:  # not handed to the interactor: the submission must still see an end
                 os.close(pending.pop())
             await asyncio.to_thread(shutil.rmtree, top, True)
 
     async def _run_in(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup, top: Path,
-                      work: Path, out: Path | None, talk: list[int],
-                      wall_s: float) -> tuple[int | None, bytes, bytes, str | None]:
+                      work: Path, out: Path | None, talk: list[int], wall_s: float,
+                      manager: bool = False) -> tuple[int | None, bytes, bytes, str | None]:
         limit_s = max(2 * CPU_S, wall_s) + 5
         name = "checker.py" if prepared.spec.language == "python" else "checker"
         for file, data in {**files, name: prepared.program}.items():
@@ -220,16 +237,26 @@ class Checkers:
             os.chmod(work / file, 0o555 if file == "checker" else 0o444)
         os.chmod(work, 0o555)
         cfg = top / "checker.cfg"
-        cfg.write_text(config_text(self._config(prepared, work, uid, out, wall_s)))
+        cfg.write_text(config_text(self._config(prepared, work, uid, out, wall_s,
+                                                list(talk) if manager else None)))
         cgroup.set_memory_limit(MEMORY_MB << 20)
         cgroup.set_pids_max(PIDS)
         oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()
         t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
-            str(nsjail_binary(self.settings)), "--config", str(cfg),
-            stdin=talk[0] if talk else subprocess.DEVNULL,
-            stdout=talk[1] if talk else subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        talks = bool(talk) and not manager  # through its stdin and stdout
+        if manager:  # it opens them by path: its own uid must own them (the worker's pipes are root's, 0600)
+            for fd in talk:
+                os.fchown(fd, uid, uid)
+        given = os.open(work / "input", os.O_RDONLY | os.O_CLOEXEC) if manager else subprocess.DEVNULL
+        try:  # a manager's stdin: the test's input
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
+                str(nsjail_binary(self.settings)), "--config", str(cfg),
+                stdin=talk[0] if talks else given, stdout=talk[1] if talks else subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(talk) if manager else ())
+        finally:
+            if manager:
+                os.close(given)
         while talk:  # the interactor's now: the submission sees an end when it does
             os.close(talk.pop())
         assert proc.stderr is not None
@@ -296,6 +323,12 @@ def read_verdict(kind: CheckerType, code: int | None, out: bytes, err: bytes, li
         score = float(match.group()) if match else 0.0
         return Check(TestStatus.wrong_answer, score, f"partial: {said}")
     return Check(TestStatus.internal_error, None, f"the checker failed (exit code {code}): {said}".rstrip(": "))
+
+
+def _named(check: Check, what: str) -> Check:
+    """A verdict read by a checker's protocol, saying what gave it."""
+    check.message = check.message.replace("the checker", f"the {what}")
+    return check
 
 
 def _ended(code: int | None, limit: str | None) -> str:

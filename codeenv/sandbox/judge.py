@@ -209,7 +209,7 @@ class _Judging:
         if interaction is not None:
             said = interaction.check
             if said.status is TestStatus.internal_error:
-                result.status, result.message = said.status, f"the interactor failed: {said.message}"[:500]
+                result.status, result.message = said.status, said.message[:500]
                 return result
             if result.status in (TestStatus.timeout, TestStatus.memory, TestStatus.output_limit):
                 return result
@@ -218,6 +218,8 @@ class _Judging:
                 result.limit = None
                 return result
             output = interaction.output
+            if self.spec.checker is None and result.status is TestStatus.passed:
+                result.score, result.message = said.score, said.message or None
         if self.spec.checker is None or result.status is not TestStatus.passed:
             return result
         test = self.tests[i]

@@ -576,8 +576,12 @@ class SlotPool:
             helpers, helper_uid, helper_group = self.checkers, self._checker_uid(slot), self._group(slot, "check")
             assert helpers is not None
 
+            spec = request.judge
+            manager = spec.interactor is not None and spec.interactor.protocol == "manager"
+
             async def interact(stdin: bytes, answer: bytes, talk: list[int], wall_s: float) -> Interaction:
-                return await helpers.interact(interactor, stdin, answer, talk, wall_s, helper_uid, helper_group)
+                return await helpers.interact(interactor, stdin, answer, talk, wall_s, helper_uid, helper_group,
+                                              manager=manager, checked=spec.checker is not None)
 
         return await judge(zygote, code, request.judge, limits, total_wall_s, restart, check, interact)
 
