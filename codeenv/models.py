@@ -623,6 +623,17 @@ class InteractorSpec(BaseModel):
         return CheckerSpec(type=CheckerType.testlib, code=self.code, language=self.language, files=self.files)
 
 
+#: How a stdin test's program reads its input and writes its output.
+InputMode = Literal["stdio", "file"]
+INPUT_MODE_DOC = ("stdio, or file: the program reads input.txt and writes output.txt in its work dir (old "
+                  "Codeforces problems); stdin tests, not interactive ones")
+
+
+def _check_input_mode(mode: str, fn_name: str | None, interactor: InteractorSpec | None) -> None:
+    if mode == "file" and (fn_name is not None or interactor is not None):
+        raise ValueError("input_mode file is for stdin tests, not function-call tests or interactive problems")
+
+
 class Subtask(BaseModel):
     """A group of tests scored together (IOI, CMS): its points times the lowest score among its tests."""
 
@@ -675,11 +686,13 @@ class ProblemPackage(BaseModel):
                                            "(README, \"Subtasks and time_scale\")")
     interactor: InteractorSpec | None = Field(None, description="an interactive problem's interactor (README, "
                                                                 "\"Interactive problems\")")
+    input_mode: InputMode = Field("stdio", description=INPUT_MODE_DOC)
 
     @model_validator(mode="after")
     def _fits(self) -> ProblemPackage:
         if (self.checker is not None or self.interactor is not None) and self.fn_name is not None:
             raise ValueError("a checker or interactor judges stdin tests, not function-call tests (fn_name)")
+        _check_input_mode(self.input_mode, self.fn_name, self.interactor)
         _check_tests(self.tests, self.fn_name, as_sent=True)
         _check_subtasks(self.subtasks, len(self.tests))
         _check_source_files("", self.graders, "problem")
@@ -716,6 +729,7 @@ class JudgeSpec(BaseModel):
     subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX)
     time_scale: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     interactor: InteractorSpec | None = None
+    input_mode: InputMode = "stdio"
 
     @model_validator(mode="after")
     def _tests_fit(self) -> JudgeSpec:
@@ -736,7 +750,7 @@ class JudgeSpec(BaseModel):
 
 #: What a problem's package holds, which a request judged by reference does not send.
 PROBLEM_FIELDS = frozenset({"tests", "fn_name", "compare", "float_tol", "checker", "graders", "subtasks",
-                            "interactor"})
+                            "interactor", "input_mode"})
 
 
 class JudgeRequest(BaseModel):
@@ -791,6 +805,7 @@ class JudgeRequest(BaseModel):
                                                                 "problems\")")
     interactive: bool = Field(False, description="an interactive problem: true needs its interactor (here or in "
                                                  "the problem's package)")
+    input_mode: InputMode = Field("stdio", description=INPUT_MODE_DOC)
 
     @model_validator(mode="after")
     def _supported(self) -> JudgeRequest:
@@ -798,6 +813,7 @@ class JudgeRequest(BaseModel):
             raise ValueError("a checker or interactor judges stdin tests, not function-call tests (fn_name)")
         if self.interactive and self.interactor is None and self.problem is None:
             raise ValueError("an interactive problem needs its interactor")
+        _check_input_mode(self.input_mode, self.fn_name, self.interactor)
         if self.problem is not None:
             inline = sorted(PROBLEM_FIELDS & self.model_fields_set)
             if inline:
@@ -825,7 +841,8 @@ class JudgeRequest(BaseModel):
                          float_tol=self.float_tol, stop_on_failure=self.stop_on_failure,
                          total_wall_s=self.total_wall_s, language=language, checker=self.checker,
                          problem=None if self.problem is None else ProblemRef(sha256=self.problem),
-                         subtasks=self.subtasks, time_scale=self.time_scale, interactor=self.interactor)
+                         subtasks=self.subtasks, time_scale=self.time_scale, interactor=self.interactor,
+                         input_mode=self.input_mode)
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
                            language=language, preset=self.preset, std=self.std, graders=self.graders)
 

@@ -198,7 +198,7 @@ class ProblemStore:
                            float_tol=package.float_tol, stop_on_failure=spec.stop_on_failure,
                            total_wall_s=spec.total_wall_s or package.total_wall_s, language=spec.language,
                            checker=package.checker, subtasks=package.subtasks, time_scale=spec.time_scale,
-                           interactor=package.interactor)
+                           interactor=package.interactor, input_mode=package.input_mode)
         try:
             return ExecRequest.model_validate({**dict(request), "judge": filled, "limits": Limits(**limits),
                                                "graders": package.graders})

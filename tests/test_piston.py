@@ -34,17 +34,17 @@ async def api(cpp_toolchain: None, gateway: GatewayClient) -> AsyncIterator[http
         yield c
 
 
-async def codeforces(api: httpx.AsyncClient, submission: str, test_input: str, test_output: str, *,
+async def codeforces(api: httpx.AsyncClient, submission: str, test_input: str, test_output: str | None, *,
                      language: str = "cpp", checker: str | None = None, time_limit: float = 2,
-                     memory_limit: int = 256) -> dict[str, Any]:
+                     memory_limit: int = 256, input_mode: str = "stdio") -> dict[str, Any]:
     """One test as open-r1's cf_scoring.score_single_test_case sends it."""
     files = [{"name": f"main.{language}", "content": submission},
              *([{"name": "checker.py", "content": checker}] if checker else []),
              {"name": "input.txt", "content": test_input},
-             {"name": "correct_output.txt", "content": test_output},
+             *([{"name": "correct_output.txt", "content": test_output}] if test_output is not None else []),
              {"name": "grader_config", "content": "\n".join(
                  f"{k}={v}" for k, v in {"TIME_LIMIT": time_limit, "MEMORY_LIMIT": memory_limit,
-                                         "INPUT_MODE": "stdio"}.items())}]
+                                         "INPUT_MODE": input_mode}.items())}]
     body = {"files": files, "run_timeout": (time_limit + 10) * 1000,
             "language": "cf_python3" if language == "python" else "c++17", "version": "*"}
     r = await api.post("/api/v2/execute", json=body)
@@ -66,6 +66,27 @@ async def test_codeforces_cpp_passes_fails_and_compiles(api: httpx.AsyncClient) 
     assert not cf_passed(wrong) and wrong["run"]["stdout"] == "0\n" and wrong["compile"]["code"] == 0, wrong
     broken = await codeforces(api, "int main() { return nope; }", "1 2", "3")
     assert broken["compile"]["code"] != 0 and "nope" in broken["compile"]["stderr"], broken
+
+
+async def test_codeforces_input_mode_file_reads_input_txt_and_writes_output_txt(api: httpx.AsyncClient) -> None:
+    files_cpp = ('#include <cstdio>\nint main() { long long a, b; FILE* in = std::fopen("input.txt", "r"); '
+                 'FILE* out = std::fopen("output.txt", "w"); std::fscanf(in, "%lld %lld", &a, &b); '
+                 'std::fprintf(out, "%lld\\n", a + b); std::printf("ignored\\n"); }\n')
+    files_py = "a, b = map(int, open('input.txt').read().split())\nopen('output.txt', 'w').write(str(a + b))"
+    assert cf_passed(await codeforces(api, files_cpp, "1 2", "3", input_mode="file"))
+    assert cf_passed(await codeforces(api, files_py, "20 22", "42", language="python", input_mode="file"))
+    assert not cf_passed(await codeforces(api, files_py, "1 1", "3", language="python", input_mode="file"))
+    # stdout is not the answer in file mode, and a stdin program finds no input there
+    assert not cf_passed(await codeforces(api, SUM_CPP, "1 2", "3", input_mode="file"))
+    # without the answer: the program's output file comes back
+    printed = await codeforces(api, files_py, "2 3", None, language="python", input_mode="file")
+    assert printed["run"]["stdout"] == "5", printed
+    # hostile: output.txt a link to the input, or a FIFO no one writes: no answer, no hang
+    link = "import os\nos.symlink('input.txt', 'output.txt')"
+    fifo = "import os\nos.mkfifo('output.txt')"
+    for code in (link, fifo):
+        result = await codeforces(api, code, "3", "3", language="python", input_mode="file")
+        assert not cf_passed(result) and result["run"]["stderr"] == "Output isn't correct (diff)\n", result
 
 
 async def test_codeforces_compares_yes_and_no_in_any_case_and_squeezes_whitespace(api: httpx.AsyncClient) -> None:

@@ -500,3 +500,21 @@ async def test_a_communication_task_with_a_manager(gateway: GatewayClient, cpp_t
         assert {t["status"] for t in gone["tests"]} == {"wrong_answer"}, gone
         cpp = await judged("n = int(input())\nprint(n * n)", SQUARE_MANAGER_CPP, "cpp")
         assert cpp["status"] == "passed", cpp
+
+
+@pytest.mark.jail
+async def test_input_mode_file_on_the_native_judge(gateway: GatewayClient) -> None:
+    code = "a, b = map(int, open('input.txt').read().split())\nopen('output.txt', 'w').write(f'{a + b}\\n')"
+    body, sha = package(2, input_mode="file")
+    async with gateway() as client:
+        assert (await put(client, body)).status_code == 201
+        doubled = "n = int(open('input.txt').read())\nopen('output.txt', 'w').write(str(2 * n))"
+        by_reference = await client.post("/v1/judge", json={"code": doubled, "problem": sha})
+        assert by_reference.json()["status"] == "passed", by_reference.text
+        inline = await client.post("/v1/judge", json={"code": code, "input_mode": "file", "stop_on_failure": True,
+                                                      "tests": [{"stdin": "1 2", "expected_stdout": "3"},
+                                                                {"stdin": "5 5", "expected_stdout": "10"}]})
+        assert inline.json()["status"] == "passed", inline.text
+        bad = await client.post("/v1/judge", json={"code": code, "input_mode": "file", "fn_name": "f",
+                                                   "tests": [{"args": [1], "expected": 1}]})
+        assert bad.status_code == 422 and "input_mode file" in bad.text

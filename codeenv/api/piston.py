@@ -14,6 +14,8 @@ It is judged as one test (its CPU time against `TIME_LIMIT`): `run.stdout` is `1
 `run.stderr` says why, as the package's run script prints them; a limit or crash exits 124, 134 or
 the program's code. Without `correct_output.txt` the program's output is the answer.
 
+`INPUT_MODE=file` in `grader_config`: the program reads `input.txt` and writes `output.txt`.
+
 `cms_ioi` (Batch tasks): `graders/{task}.cpp` is the submission, compiled with `graders/grader.cpp`
 and `graders/stub.cpp` where present and the headers beside them (`-DEVAL -std=gnu++17 -O2`), run on
 `input.txt` under `graders/grader_config.json`'s `time_limit` (s) and `memory_limit` (bytes), scored
@@ -232,9 +234,9 @@ async def codeforces(request: Request, gateway: Gateway, body: PistonExecute, na
     files = {f.name or f"file{i}": f for i, f in enumerate(body.files)}
     main = body.files[0].text()
     config = _config(files["grader_config"].text()) if "grader_config" in files else {}
-    if config.get("INPUT_MODE", "stdio") != "stdio":
-        raise ApiError(400, f"INPUT_MODE={config['INPUT_MODE']} is not supported here: the program must read "
-                            "stdin and write stdout")
+    input_mode = config.get("INPUT_MODE", "stdio")
+    if input_mode not in ("stdio", "file"):
+        raise ApiError(400, f"INPUT_MODE={input_mode} is not supported: stdio or file")
     time_s = _number(config, "TIME_LIMIT", "grader_config")
     memory_mb = _number(config, "MEMORY_LIMIT", "grader_config")
     stdin = files["input.txt"].text().replace("\r\n", "\n") if "input.txt" in files else body.stdin
@@ -242,19 +244,26 @@ async def codeforces(request: Request, gateway: Gateway, body: PistonExecute, na
     compile_ok = _stage("Skipping compile - python3\n") if std is None else _stage()
     limits = _limits(gateway, time_s, memory_mb, body.run_timeout)
     if "correct_output.txt" not in files:  # the package prints the program's own output
-        call = ExecRequest(code=main, stdin=stdin, limits=limits, language=Language(language),
-                           preset="codeforces" if std else None, std=std)
+        by_file = input_mode == "file"
+        call = ExecRequest(code=main, stdin="" if by_file else stdin, limits=limits, language=Language(language),
+                           preset="codeforces" if std else None, std=std,
+                           files={"input.txt": base64.b64encode(stdin.encode()).decode()} if by_file else {},
+                           fetch_files=["output.txt"] if by_file else [])
         [result] = await gateway.answer(request, [call])
         if result.compile is not None and result.compile.status != "ok":
             return _answer(name, _stage(code=None), _stage(stderr=result.compile.stderr, code=1))
-        return _answer(name, _stage(result.stdout, result.stderr, result.exit_code or 0), compile_ok)
+        printed = result.stdout
+        if by_file:
+            printed = base64.b64decode((result.files or {}).get("output.txt", "")).decode("utf-8", "replace")
+        return _answer(name, _stage(printed, result.stderr, result.exit_code or 0), compile_ok)
     checker = None
     if "checker.py" in files:
         checker = CheckerSpec(type=CheckerType.open_r1, code=files["checker.py"].text(), language="python")
     try:
         judged = JudgeRequest(code=main, language=language, preset="codeforces" if std else None,
                               std=std, compare=Compare.codeforces, checker=checker, limits=limits,
-                              tests=[JudgeTest(stdin=stdin, expected_stdout=files["correct_output.txt"].text())])
+                              tests=[JudgeTest(stdin=stdin, expected_stdout=files["correct_output.txt"].text())],
+                              input_mode="file" if input_mode == "file" else "stdio")
     except ValidationError as exc:
         raise ApiError(400, "; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
     result = await _judge(request, gateway, judged)

@@ -364,9 +364,10 @@ class _Judging:
             else:
                 args, stdin = _test_input(self.tests[self.index], self.spec)
                 observed = await sub.test(self.index, args, stdin, self.limits.output_bytes,
-                                          report_bytes(self.limits))
+                                          report_bytes(self.limits), file_io=self.spec.input_mode == "file")
             if (observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded)
-                    and self.spec.interactor is None):  # an interactive test is not run again alone
+                    and self.spec.interactor is None and self.spec.input_mode != "file"):
+                # (an interactive test, or one with files, is not run again alone)
                 self.alone = True
                 break
             if observed.done is not None and not observed.done.clean:

@@ -13,12 +13,16 @@ import os
 import resource
 import signal
 import socket
+import stat
 import sys
 import time
 
 from . import child, proc
 from .protocol import JUDGE_BINARY, JUDGE_FUNCTION, JUDGE_STDIN, CallFd, Judge
 from .workdir import Workdir
+
+#: A test of a program that reads and writes files (input_mode "file"): their names in the work dir.
+INPUT_FILE, OUTPUT_FILE = "input.txt", "output.txt"
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -77,6 +81,10 @@ class Submission:
     def test(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
+        output = None
+        if msg.get("io") == "file":  # it reads input.txt and writes output.txt: the worker reads that as stdout
+            self.write_input(fds[CallFd.STDIN])
+            output, fds[CallFd.STDOUT] = fds[CallFd.STDOUT], os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
 
         def body() -> None:
             self.sock.close()
@@ -101,6 +109,8 @@ class Submission:
         _, status, usage = os.wait4(pid, 0)
         os.close(pidfd)
         proc.kill_all()  # what the test left behind (orphans come to us: we are their subreaper)
+        if output is not None:
+            self.send_output(output, int(msg.get("output_bytes", 0)) + 1)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         clean = self.workdir.clean(self.cleanup_timeout_s)
         self.workdir.reset_times()
@@ -108,6 +118,43 @@ class Submission:
                 "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
                 "maxrss_kb": usage.ru_maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed,
                 "clean": clean}
+
+    def write_input(self, stdin_fd: int) -> None:
+        """The test's input as input.txt in the (empty) work dir."""
+        fd = os.open(os.path.join(self.workdir.path, INPUT_FILE),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            offset = 0
+            while chunk := os.pread(stdin_fd, 1 << 20, offset):
+                offset += len(chunk)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    def send_output(self, out_fd: int, most: int) -> None:
+        """What the test left in output.txt, at most `most` bytes, written to the test's stdout pipe
+        (nothing unless it is a regular file of its own: not a link, a FIFO or a device)."""
+        try:
+            fd = os.open(os.path.join(self.workdir.path, OUTPUT_FILE),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.close(out_fd)
+            return
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                left = most
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    left -= len(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(out_fd, view):]
+        except OSError:  # the worker stopped reading (over the output limit)
+            pass
+        finally:
+            os.close(fd)
+            os.close(out_fd)
 
     def spawn_binary(self, fds: list[int], cpu_s: int) -> int:
         """One test of a compiled program: the binary started by posix_spawn (a vfork and an exec,

@@ -122,9 +122,11 @@ class Submission:
         return None
 
     async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int,
-                   talk: tuple[int, int] | None = None) -> TestOutcome:
+                   talk: tuple[int, int] | None = None, file_io: bool = False) -> TestOutcome:
         """Run one test in a fresh child of the prepared process; its limits are the call's, less
-        the preparation's CPU time. `talk`: an interactive test's stdin and stdout (CallFiles)."""
+        the preparation's CPU time. `talk`: an interactive test's stdin and stdout (CallFiles);
+        `file_io`: its input is input.txt in the work dir and its output output.txt, which the
+        submission's process sends as its stdout."""
         z, limits = self.zygote, self.limits
         out = TestOutcome(report_bytes=report_bytes)
         oom0, pids0 = z.cgroup.oom_kills(), z.cgroup.pids_limit_hits()
@@ -144,6 +146,7 @@ class Submission:
             try:
                 socket.send_fds(self.sock, [encode({
                     "op": Judge.TEST, "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
+                    **({"io": "file", "output_bytes": output_cap} if file_io else {}),
                 })], files.theirs)
             except OSError as exc:
                 self.lost = f"the submission's process is gone: {exc}"
