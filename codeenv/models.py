@@ -284,6 +284,9 @@ class ExecRequest(BaseModel):
                 raise ValueError("language cpp runs a compiled program: it takes no session or display_last")
             if self.judge is not None and self.judge.fn_name is not None:
                 raise ValueError("language cpp takes stdin tests only, not fn_name")
+        elif self.judge is not None and self.judge.interactor is not None and self.judge.interactor.several:
+            raise ValueError("a manager that talks with several processes, or gives them paths (fifo_io), judges "
+                             "C++ submissions (language cpp)")
         if self.graders:
             if self.language is not Language.cpp:
                 raise ValueError("graders are compiled with C++ code: they need language cpp")
@@ -594,6 +597,10 @@ def _check_tests(tests: list[JudgeTest], fn_name: str | None, as_sent: bool) -> 
                              "stdin or expected_stdout")
 
 
+#: The most processes of a submission a Communication task's manager talks with.
+PROCESSES_MAX = 16
+
+
 class InteractorSpec(BaseModel):
     """An interactive problem's interactor. testlib's protocol: it talks with the submission through
     its stdin and stdout, called as `interactor input output answer`, and exits 0 (accepted), 1 or 4
@@ -606,7 +613,12 @@ class InteractorSpec(BaseModel):
 
     code: Text = Field(description="the interactor's source")
     protocol: Literal["testlib", "manager"] = Field("testlib", description="testlib (an interactor) or manager "
-                                                                           "(CMS's Communication, one process)")
+                                                                           "(CMS's Communication)")
+    processes: int = Field(1, ge=1, le=PROCESSES_MAX, description="manager: how many of the submission's processes "
+                                                                  "it talks with (more than 1: C++ submissions)")
+    user_io: Literal["std_io", "fifo_io"] = Field("std_io", description="manager: each process talks through its "
+                                                                       "stdin and stdout, or through the two paths "
+                                                                       "it is given (fifo_io: C++ submissions)")
     language: Literal["cpp", "python"] = Field("cpp", description="cpp (compiled once, g++ -O2 -std=gnu++17) "
                                                                   "or python")
     files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
@@ -616,7 +628,14 @@ class InteractorSpec(BaseModel):
     @model_validator(mode="after")
     def _fits(self) -> InteractorSpec:
         _check_source_files(self.code, self.files, "interactor")
+        if self.protocol != "manager" and (self.processes != 1 or self.user_io != "std_io"):
+            raise ValueError("processes and user_io are a manager's (protocol manager)")
         return self
+
+    @property
+    def several(self) -> bool:
+        """The submission runs as several processes, or is given paths: C++ only."""
+        return self.processes > 1 or self.user_io == "fifo_io"
 
     def as_checker(self) -> CheckerSpec:
         """Prepared (compiled) as a testlib checker is."""

@@ -518,3 +518,70 @@ async def test_input_mode_file_on_the_native_judge(gateway: GatewayClient) -> No
         bad = await client.post("/v1/judge", json={"code": code, "input_mode": "file", "fn_name": "f",
                                                    "tests": [{"args": [1], "expected": 1}]})
         assert bad.status_code == 422 and "input_mode file" in bad.text
+
+
+#: A manager of N processes (argv: from and to each, in turn): process k gets x_k (the input's k-th
+#: number) and must answer x_k * x_k + k.
+SQUARES_MANAGER_CPP = r"""#include <fstream>
+#include <iostream>
+#include <vector>
+int main(int argc, char** argv) {
+    int n = (argc - 1) / 2; bool right = true;
+    std::vector<long long> x(n);
+    for (auto& v : x) std::cin >> v;
+    for (int k = 0; k < n; k++) {
+        std::ofstream to(argv[2 + 2 * k]); to << x[k] << std::endl;
+    }
+    for (int k = 0; k < n; k++) {
+        std::ifstream from(argv[1 + 2 * k]); long long got;
+        if (!(from >> got) || got != x[k] * x[k] + k) right = false;
+    }
+    std::cout << (right ? 1 : 0) << std::endl;
+    std::cerr << (right ? "translate:success" : "translate:wrong") << std::endl;
+}
+"""
+SQUARES_STD_IO = r"""#include <cstdlib>
+#include <iostream>
+int main(int argc, char** argv) {
+    long long x; std::cin >> x;
+    std::cout << x * x + (argc > 1 ? std::atoi(argv[1]) : 0) << std::endl;
+}
+"""
+SQUARES_FIFO_IO = r"""#include <cstdlib>
+#include <fstream>
+#include <iostream>
+int main(int argc, char** argv) {
+    std::ifstream in(argv[1]); std::ofstream out(argv[2]);
+    long long x; in >> x;
+    out << x * x + (argc > 3 ? std::atoi(argv[3]) : 0) << std::endl;
+    std::cout << "to no one" << std::endl;
+}
+"""
+
+
+@pytest.mark.jail
+@pytest.mark.parametrize(("user_io", "code"), [("std_io", SQUARES_STD_IO), ("fifo_io", SQUARES_FIFO_IO)])
+async def test_a_manager_talks_with_several_processes(gateway: GatewayClient, cpp_toolchain: None,
+                                                      user_io: str, code: str) -> None:
+    async with gateway() as client:
+        async def judged(source: str, processes: int, **extra: Any) -> dict[str, Any]:
+            answer = await client.post("/v1/judge", json={"code": source, "language": "cpp", **extra, "tests": [
+                {"stdin": " ".join(str(5 + k) for k in range(processes)), "expected_stdout": ""}], "interactor": {
+                "code": SQUARES_MANAGER_CPP, "protocol": "manager", "processes": processes, "user_io": user_io}})
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        for processes in (1, 2, 3):
+            right = await judged(code, processes)
+            assert right["status"] == "passed" and right["tests"][0]["score"] == 1, (processes, right)
+        wrong = await judged(code.replace("x * x", "x * 2"), 2)
+        assert wrong["tests"][0]["status"] == "wrong_answer" and wrong["tests"][0]["score"] == 0, wrong
+        # One process that never answers: the test's time limit, not a hang.
+        stuck = await judged(code.replace("long long x;", "for (;;) {} long long x;"), 2,
+                             limits={"cpu_s": 1, "wall_s": 2})
+        assert stuck["tests"][0]["status"] == "timeout", stuck
+    async with gateway() as client:  # several processes run a compiled program: C++ only
+        python = await client.post("/v1/judge", json={"code": "print(1)", "tests": [
+            {"stdin": "1", "expected_stdout": ""}], "interactor": {"code": "x", "protocol": "manager",
+                                                                   "processes": 2}})
+        assert python.status_code == 422 and "C++" in python.text, python.text

@@ -21,10 +21,11 @@ and `graders/stub.cpp` where present and the headers beside them (`-DEVAL -std=g
 `input.txt` under `graders/grader_config.json`'s `time_limit` (s) and `memory_limit` (bytes), scored
 by `checker/checker.cpp` (CMS's protocol: a score on stdout, a message on stderr) or by comparing with
 `correct_output.txt`: `run.stdout` is the score, `run.stderr` the checker's message or why it failed.
-Communication tasks with one process talking through its stdin and stdout (the package's default):
-`graders/manager.cpp` is compiled alone (with the headers beside it) and run as the package runs it,
-`manager FROM_USER TO_USER` with `input.txt` on its stdin; its score, or the checker's on what it
-printed, is `run.stdout`. Several processes, or `fifo_io`, answer a 400 that says so.
+Communication tasks: `graders/manager.cpp` is compiled alone (with the headers beside it) and run as
+the package runs it, `manager FROM_USER_0 TO_USER_0 ...` with `input.txt` on its stdin, talking with
+`num_processes` processes of the submission (linked with `stub.cpp`) through their stdin and stdout
+(`std_io`) or the paths they are given (`fifo_io`); its score, or the checker's on what it printed,
+is `run.stdout`.
 """
 
 from __future__ import annotations
@@ -362,18 +363,20 @@ async def cms_ioi(request: Request, gateway: Gateway, body: PistonExecute, name:
 
 
 def _manager(config: dict[str, Any], graders: dict[str, str]) -> InteractorSpec:
-    """A Communication task's manager, as the package compiles and runs it (one process, std_io)."""
-    processes = config.get("task_type_parameters_Communication_num_processes", 1)
-    user_io = config.get("task_type_parameters_Communication_user_io", "std_io")
-    if processes not in (1, None) or user_io not in ("std_io", None):
-        raise ApiError(400, f"Communication tasks with {processes} processes and user_io {user_io!r} are not "
-                            "supported here yet (one process talking through its stdin and stdout is)")
+    """A Communication task's manager, as the package compiles and runs it."""
+    processes = config.get("task_type_parameters_Communication_num_processes") or 1
+    user_io = config.get("task_type_parameters_Communication_user_io") or "std_io"
     if config.get("task_type_parameters_Communication_manager_args"):
         raise ApiError(400, "Communication tasks with manager_args are not supported here yet")
     if "manager.cpp" not in graders:
         raise ApiError(400, "graders/manager.cpp not found: a Communication task needs its manager")
-    return InteractorSpec(code=graders.pop("manager.cpp"), protocol="manager", language="cpp",
-                          files={n: t for n, t in graders.items() if n.endswith((".h", ".hpp"))})
+    try:
+        return InteractorSpec.model_validate({
+            "code": graders.pop("manager.cpp"), "protocol": "manager", "language": "cpp", "processes": processes,
+            "user_io": user_io, "files": {n: t for n, t in graders.items() if n.endswith((".h", ".hpp"))}})
+    except ValidationError as exc:
+        raise ApiError(400, "graders/grader_config.json: " + "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))) from None
 
 
 def router(gateway: Gateway) -> APIRouter:

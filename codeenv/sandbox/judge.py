@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from codeenv.errors import ZygoteDied
 from codeenv.models import (
@@ -38,6 +39,7 @@ from codeenv.models import (
     TestStatus,
 )
 from codeenv.sandbox.checker import Check, Interaction
+from codeenv.sandbox.inside.protocol import CallFd
 from codeenv.sandbox.outside.calls import CallJail
 from codeenv.sandbox.outside.submission import Submission, TestOutcome
 from codeenv.sandbox.verdict import verdict
@@ -262,9 +264,7 @@ class _Judging:
         """Test i of an interactive problem: the submission's stdin and stdout are pipes to the
         interactor's stdout and stdin, which runs in a jail of its own meanwhile."""
         test = self.tests[i]
-        to_sub, from_interactor = os.pipe2(os.O_CLOEXEC)
-        to_interactor, from_sub = os.pipe2(os.O_CLOEXEC)
-        theirs = [to_interactor, from_interactor]  # the interactor's stdin and stdout, until it takes them
+        theirs, ours, procs = self.pipes()  # the interactor's ends (until it takes them), the submission's
         if self.interact is None:
             for fd in theirs:
                 os.close(fd)
@@ -277,15 +277,15 @@ class _Judging:
                                                        self.limits.wall_s))
         try:
             observed = await sub.test(i, b"", b"", self.limits.output_bytes, report_bytes(self.limits),
-                                      talk=(to_sub, from_sub))
+                                      talk=None if procs is not None else (ours[0], ours[1]), procs=procs)
         except BaseException:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             raise
         finally:
-            os.close(to_sub)  # the submission's ends are in its jail now (or it is gone): the interactor
-            os.close(from_sub)  # sees the end of its input once the test has ended
+            for fd in ours:  # the submission's ends are in its jail now (or it is gone): the interactor
+                os.close(fd)  # sees the end of its input once the test has ended
             if task is not None and task.done():
                 for fd in theirs:  # a task cancelled before it ran never took them
                     os.close(fd)
@@ -302,6 +302,33 @@ class _Judging:
                     os.close(fd)
                 theirs.clear()
         return observed
+
+    def pipes(self) -> tuple[list[int], list[int], tuple[list[dict[str, Any]], list[int]] | None]:
+        """An interactive test's pipes: the interactor's ends (testlib: its stdin and stdout; a
+        manager: from and to each process, in turn), the submission's (its stdin and stdout, in
+        turn), and, for several processes or fifo_io, how each process gets them (Submission.test)."""
+        interactor = self.spec.interactor
+        assert interactor is not None
+        theirs: list[int] = []
+        ours: list[int] = []
+        for _ in range(interactor.processes):
+            to_sub, from_interactor = os.pipe2(os.O_CLOEXEC)
+            to_interactor, from_sub = os.pipe2(os.O_CLOEXEC)
+            theirs += [to_interactor, from_interactor]
+            ours += [to_sub, from_sub]
+        if not interactor.several:
+            return theirs, ours, None
+        fifo, n = interactor.user_io == "fifo_io", interactor.processes
+        specs: list[dict[str, Any]] = []
+        for k in range(n):
+            first = CallFd.PLAIN + 2 * k  # where the message's fds carry this process's two
+            specs.append({"argv": [*(["/proc/self/fd/3", "/proc/self/fd/4"] if fifo else []),
+                                   *([str(k)] if n != 1 else [])],
+                          "fds": {"3": first, "4": first + 1} if fifo else {"0": first, "1": first + 1}})
+        if fifo:  # opened by path in the jail, by its uid (the worker's pipes are root's, 0600): only the
+            for fd in ours:  # two jails see these fds (each a pid namespace and a procfs of its own)
+                os.fchmod(fd, 0o666)
+        return theirs, ours, (specs, ours)
 
     async def run_alone(self) -> bool:
         """The test at `index`, alone; whether the run goes on after it."""

@@ -8,6 +8,7 @@ it says beyond what a program could say about itself, and measures and enforces 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import resource
@@ -21,6 +22,8 @@ from . import child, proc
 from .protocol import JUDGE_BINARY, JUDGE_FUNCTION, JUDGE_STDIN, CallFd, Judge
 from .workdir import Workdir
 
+#: Where a test's fds are moved before its processes' fds are placed at 3 to 9.
+HIGH_FD = 64
 #: A test of a program that reads and writes files (input_mode "file"): their names in the work dir.
 INPUT_FILE, OUTPUT_FILE = "input.txt", "output.txt"
 
@@ -73,7 +76,7 @@ class Submission:
         the work dir is as it was (never returns)."""
         while True:
             msg, fds = proc.next_request(self.sock)  # none: the worker is done with this submission
-            if msg.get("op") != Judge.TEST or len(fds) != CallFd.PLAIN:
+            if msg.get("op") != Judge.TEST or len(fds) != CallFd.PLAIN + _extra_fds(msg, self.binary_fd, len(fds)):
                 proc.close_all(fds)
                 continue
             proc.send(self.sock, self.test(msg, fds))
@@ -90,6 +93,8 @@ class Submission:
             self.sock.close()
             self.test_child(fds, msg)
 
+        if "procs" in msg:  # a Communication task's processes, at once
+            return self.test_processes(msg, fds, before, t0)
         pid = self.spawn_binary(fds, msg["cpu_s"]) if self.binary_fd is not None else proc.spawn(body)
         proc.close_all(fds)
         pidfd = os.pidfd_open(pid)
@@ -118,6 +123,50 @@ class Submission:
                 "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
                 "maxrss_kb": usage.ru_maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed,
                 "clean": clean}
+
+    def test_processes(self, msg: dict[str, Any], fds: list[int], before: Any, t0: float) -> dict[str, Any]:
+        """One test of a compiled program run as several processes (each its argv and fds, by index
+        into `fds`; stderr shared), under the test's limits each; the first that failed is the test's
+        status."""
+        pids = []
+        assert self.binary_fd is not None
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in (*fds, self.binary_fd)]  # above targets
+        proc.close_all(fds)
+        *fds, exe = high
+        try:
+            for spec in msg["procs"]:
+                moves = {int(target): fds[index] for target, index in spec["fds"].items()}
+                pids.append(self.spawn_binary(fds, msg["cpu_s"], [str(a) for a in spec["argv"]], moves, exe))
+        finally:
+            proc.close_all([*fds, exe])
+        killed = False
+
+        def on_message() -> bool:
+            nonlocal killed
+            if proc.recv_or_exit(self.sock).get("op") == Judge.KILL:
+                killed = True
+                os.kill(-1, signal.SIGKILL)
+            return False
+
+        deadline, waited, statuses, maxrss = t0 + msg["wall_s"], proc.ENDED, [], 0
+        for pid in pids:
+            pidfd = os.pidfd_open(pid)
+            if waited == proc.ENDED:
+                waited = proc.wait_child(pidfd, deadline, {self.sock.fileno(): on_message})
+                if waited != proc.ENDED:
+                    os.kill(-1, signal.SIGKILL)
+            _, status, usage = os.wait4(pid, 0)
+            os.close(pidfd)
+            statuses.append(status)
+            maxrss = max(maxrss, usage.ru_maxrss)
+        wall = time.monotonic() - t0
+        proc.kill_all()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        clean = self.workdir.clean(self.cleanup_timeout_s)
+        self.workdir.reset_times()
+        return {"op": Judge.DONE, "i": msg.get("i"), "wait_status": next((w for w in statuses if w), 0),
+                "wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+                "maxrss_kb": maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed, "clean": clean}
 
     def write_input(self, stdin_fd: int) -> None:
         """The test's input as input.txt in the (empty) work dir."""
@@ -156,7 +205,8 @@ class Submission:
             os.close(fd)
             os.close(out_fd)
 
-    def spawn_binary(self, fds: list[int], cpu_s: int) -> int:
+    def spawn_binary(self, fds: list[int], cpu_s: int, argv: list[str] | None = None,
+                     moves: dict[int, int] | None = None, exe: int | None = None) -> int:
         """One test of a compiled program: the binary started by posix_spawn (a vfork and an exec,
         not a copy of this interpreter), its stdio the test's, no other fd (all are close-on-exec
         here), every signal at its default and none blocked; it inherits the stack limit and the CPU
@@ -166,10 +216,13 @@ class Submission:
         resource.setrlimit(resource.RLIMIT_CPU, (min(cpu_s, hard), hard))
         for fd in fds:
             os.set_inheritable(fd, False)
-        return os.posix_spawn(f"/proc/self/fd/{self.binary_fd}", ["solution"], os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, fds[CallFd.STDIN], 0), (os.POSIX_SPAWN_DUP2, fds[CallFd.STDOUT], 1),
-            (os.POSIX_SPAWN_DUP2, fds[CallFd.STDERR], 2),
-        ], setsigdef=SPAWN_DEFAULT_SIGNALS, setsigmask=())
+        placed = {0: fds[CallFd.STDIN], 1: fds[CallFd.STDOUT], 2: fds[CallFd.STDERR], **(moves or {})}
+        # Every source is above every target (received after stdio; with moves, dup'd to HIGH_FD and
+        # up): no DUP2 overwrites a source still to be placed.
+        return os.posix_spawn(f"/proc/self/fd/{self.binary_fd if exe is None else exe}", ["solution", *(argv or [])],
+                              os.environ,
+                              file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in placed.items()],
+                              setsigdef=SPAWN_DEFAULT_SIGNALS, setsigmask=())
 
     def test_child(self, fds: list[int], msg: dict[str, Any]) -> NoReturn:
         """One test, forked from the submission's process; never returns."""
@@ -194,6 +247,25 @@ class Submission:
                 child.report_value(report, child.call_function(namespace, fn_name, args))
 
         proc.hard_exit(child.finalize(child.run(program, report)))
+
+
+def _extra_fds(msg: dict[str, Any], binary_fd: int | None, count: int) -> int:
+    """How many fds a test's message may carry beyond a call's: a compiled program's processes'
+    (each of their fds an index below `count`, placed at 0, 1 or 3 to 9); else none."""
+    procs = msg.get("procs")
+    if procs is None:
+        return 0
+    if binary_fd is None or not isinstance(procs, list) or not 1 <= len(procs) <= 16:
+        return -1
+    for spec in procs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("argv"), list) or len(spec["argv"]) > 8:
+            return -1
+        places = spec.get("fds")
+        if not isinstance(places, dict) or not all(
+                target in ("0", "1", *map(str, range(3, 10))) and isinstance(index, int) and 0 <= index < count
+                for target, index in places.items()):
+            return -1
+    return count - CallFd.PLAIN
 
 
 def _shared_with_forks(own_fds: set[int]) -> str | None:

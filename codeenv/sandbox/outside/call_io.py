@@ -254,11 +254,13 @@ class CallFiles:
 
     def __init__(self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]] | None,
                  fetch: list[str] | None, fetch_bytes: int, report_bytes: int = REPORT_BYTES,
-                 shared: SharedFds | None = None, talk: tuple[int, int] | None = None) -> None:
+                 shared: SharedFds | None = None, talk: tuple[int, int] | None = None,
+                 extra: list[int] | None = None) -> None:
         """`shared`: a judged test's fds; its empty code (arguments) memfd, report and setup memfds
         are the submission's (dup'd to send), only its input and output pipes are its own. `talk`:
         an interactive test's stdin and stdout (the interactor's pipes, dup'd to send); its stdout
-        drain then sees nothing."""
+        drain then sees nothing. `extra`: more fds sent after the call's (a Communication task's
+        processes' pipes, dup'd)."""
         self.theirs: list[int] = []
         self._ours: list[int] = []
         self._drains: list[Drain] = []
@@ -291,6 +293,7 @@ class CallFiles:
                                 sealed_memfd("fetch", json.dumps(fetch or []).encode())]
                 self.fetched = self._memfd("fetched", fetch_bytes)
             assert len(self.theirs) in CallFd.COUNTS
+            self.theirs += [os.dup(fd) for fd in extra or ()]
         except BaseException:
             self.close_theirs()
             self.close()

@@ -122,17 +122,21 @@ class Submission:
         return None
 
     async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int,
-                   talk: tuple[int, int] | None = None, file_io: bool = False) -> TestOutcome:
+                   talk: tuple[int, int] | None = None, file_io: bool = False,
+                   procs: tuple[list[dict[str, Any]], list[int]] | None = None) -> TestOutcome:
         """Run one test in a fresh child of the prepared process; its limits are the call's, less
         the preparation's CPU time. `talk`: an interactive test's stdin and stdout (CallFiles);
         `file_io`: its input is input.txt in the work dir and its output output.txt, which the
-        submission's process sends as its stdout."""
+        submission's process sends as its stdout. `procs`: a compiled program run as several
+        processes at once (their argv and fds, by index in the message's fds; the fds sent after
+        the call's), each under the test's limits."""
         z, limits = self.zygote, self.limits
         out = TestOutcome(report_bytes=report_bytes)
         oom0, pids0 = z.cgroup.oom_kills(), z.cgroup.pids_limit_hits()
         z.cgroup.reset_peak()
         cpu0 = z.cgroup.cpu_usage_ns()
         budget = max(0.001, limits.cpu_s - self.prep_cpu_s)
+        processes = len(procs[0]) if procs is not None else 1  # each has the CPU limit: the cgroup's, all of them
         loop = asyncio.get_running_loop()
         stopping = False
 
@@ -142,11 +146,13 @@ class Submission:
             with contextlib.suppress(OSError):
                 self.sock.send(encode({"op": Judge.KILL}))
 
-        with CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared, talk=talk) as files:
+        with CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared, talk=talk,
+                       extra=procs[1] if procs is not None else None) as files:
             try:
                 socket.send_fds(self.sock, [encode({
                     "op": Judge.TEST, "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
                     **({"io": "file", "output_bytes": output_cap} if file_io else {}),
+                    **({"procs": procs[0]} if procs is not None else {}),
                 })], files.theirs)
             except OSError as exc:
                 self.lost = f"the submission's process is gone: {exc}"
@@ -157,7 +163,8 @@ class Submission:
             t0 = time.monotonic()
             drains = files.drain(loop, output_cap, overflow)
             # The process ends the test at its wall limit; a little slack before the jail does it.
-            data, why = await self.receive(limits.wall_s + z.settings.kill_grace_s, int(budget * 1e9), cpu0)
+            data, why = await self.receive(limits.wall_s + z.settings.kill_grace_s, int(processes * budget * 1e9),
+                                           cpu0)
             msg = decode(data) if data else None
             if why == "cpu":
                 out.cpu_exceeded = True
