@@ -619,6 +619,8 @@ class InteractorSpec(BaseModel):
     user_io: Literal["std_io", "fifo_io"] = Field("std_io", description="manager: each process talks through its "
                                                                        "stdin and stdout, or through the two paths "
                                                                        "it is given (fifo_io: C++ submissions)")
+    manager_args: list[Annotated[Text, Field(max_length=256)]] = Field(
+        default_factory=list, max_length=16, description="manager: arguments after the pipes' paths")
     language: Literal["cpp", "python"] = Field("cpp", description="cpp (compiled once, g++ -O2 -std=gnu++17) "
                                                                   "or python")
     files: dict[str, Text] = Field(default_factory=dict, max_length=SOURCE_FILES_MAX,
@@ -628,8 +630,8 @@ class InteractorSpec(BaseModel):
     @model_validator(mode="after")
     def _fits(self) -> InteractorSpec:
         _check_source_files(self.code, self.files, "interactor")
-        if self.protocol != "manager" and (self.processes != 1 or self.user_io != "std_io"):
-            raise ValueError("processes and user_io are a manager's (protocol manager)")
+        if self.protocol != "manager" and (self.processes != 1 or self.user_io != "std_io" or self.manager_args):
+            raise ValueError("processes, user_io and manager_args are a manager's (protocol manager)")
         return self
 
     @property

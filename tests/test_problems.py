@@ -500,6 +500,13 @@ async def test_a_communication_task_with_a_manager(gateway: GatewayClient, cpp_t
         assert {t["status"] for t in gone["tests"]} == {"wrong_answer"}, gone
         cpp = await judged("n = int(input())\nprint(n * n)", SQUARE_MANAGER_CPP, "cpp")
         assert cpp["status"] == "passed", cpp
+        # manager_args come after the pipes' paths
+        with_args = await client.post("/v1/judge", json={"code": "n = int(input())\nprint(n * n)", "tests": tests,
+                                                         "interactor": {
+            "code": SQUARE_MANAGER.replace("from_user, to_user = sys.argv[1:3]",
+                                           "from_user, to_user, word = sys.argv[1:4]\nassert word == 'bonus'"),
+            "language": "python", "protocol": "manager", "manager_args": ["bonus"]}})
+        assert with_args.json()["status"] == "passed", with_args.text
 
 
 @pytest.mark.jail

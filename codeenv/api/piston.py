@@ -366,14 +366,14 @@ def _manager(config: dict[str, Any], graders: dict[str, str]) -> InteractorSpec:
     """A Communication task's manager, as the package compiles and runs it."""
     processes = config.get("task_type_parameters_Communication_num_processes") or 1
     user_io = config.get("task_type_parameters_Communication_user_io") or "std_io"
-    if config.get("task_type_parameters_Communication_manager_args"):
-        raise ApiError(400, "Communication tasks with manager_args are not supported here yet")
+    extra = config.get("task_type_parameters_Communication_manager_args") or ""
     if "manager.cpp" not in graders:
         raise ApiError(400, "graders/manager.cpp not found: a Communication task needs its manager")
     try:
         return InteractorSpec.model_validate({
             "code": graders.pop("manager.cpp"), "protocol": "manager", "language": "cpp", "processes": processes,
-            "user_io": user_io, "files": {n: t for n, t in graders.items() if n.endswith((".h", ".hpp"))}})
+            "user_io": user_io, "manager_args": str(extra).split(),  # as the run script's word splitting
+            "files": {n: t for n, t in graders.items() if n.endswith((".h", ".hpp"))}})
     except ValidationError as exc:
         raise ApiError(400, "graders/grader_config.json: " + "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))) from None

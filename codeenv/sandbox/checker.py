@@ -134,14 +134,14 @@ class Checkers:
 
     async def interact(self, prepared: Prepared, stdin: bytes, answer: bytes, talk: list[int],
                        wall_s: float, uid: int, cgroup: JailCgroup, manager: bool = False,
-                       checked: bool = False) -> Interaction:
+                       checked: bool = False, manager_args: list[str] | None = None) -> Interaction:
         """Run an interactor through one test: `talk` is its stdin and stdout (the submission's
         output and input pipes), each closed here and taken off the list once it has them (or the
         run failed); it may run `wall_s` seconds. A `manager` (CMS's Communication) gets them as
         its two arguments instead, the test's input on its stdin, and prints a score, or what the
         problem's checker reads where it is `checked`."""
         code, tout, err, limit = await self._run(prepared, {"input": stdin, "answer": answer}, uid, cgroup,
-                                                 talk=talk, wall_s=wall_s, manager=manager)
+                                                 talk=talk, wall_s=wall_s, manager=manager, args=manager_args)
         self.runs += 1
         if manager and not self._broken_pipe(code, err, limit):
             if checked and code == 0 and limit is None:
@@ -161,7 +161,8 @@ class Checkers:
                                                           and b"BrokenPipeError" in err))
 
     def _config(self, prepared: Prepared, work: Path, uid: int, out: Path | None = None,
-                wall_s: float = 0, manager: list[int] | None = None) -> NsJailConfig:
+                wall_s: float = 0, manager: list[int] | None = None,
+                manager_args: list[str] | None = None) -> NsJailConfig:
         spec = prepared.spec
         ids = [IdMap(inside_id=str(SANDBOX_UID), outside_id=str(uid), count=1)]
         files = {"input": f"{CHECK_DIR}/input", "output": f"{CHECK_DIR}/output", "answer": f"{CHECK_DIR}/answer"}
@@ -171,8 +172,8 @@ class Checkers:
         if out is not None:  # an interactor's output is its own file
             files["output"] = f"{OUT_DIR}/output"
         args = [files[name] for name in order]
-        if manager is not None:  # the two pipes, passed in and opened by their paths
-            args = [f"/proc/self/fd/{fd}" for fd in manager]
+        if manager is not None:  # the pipes, passed in and opened by their paths
+            args = [*(f"/proc/self/fd/{fd}" for fd in manager), *(manager_args or [])]
         # A fresh tmpfs at the work dir (the image's /tmp links to it), the check's files read-only in it.
         mounts = [MountPt(dst=WORKDIR, fstype="tmpfs", options=f"size=64m,mode=0700,uid={SANDBOX_UID},"
                                                                 f"gid={SANDBOX_UID}", rw=True, is_dir=True,
@@ -207,8 +208,8 @@ class Checkers:
         )
 
     async def _run(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup,
-                   talk: list[int] | None = None, wall_s: float = 0,
-                   manager: bool = False) -> tuple[int | None, bytes, bytes, str | None]:
+                   talk: list[int] | None = None, wall_s: float = 0, manager: bool = False,
+                   args: list[str] | None = None) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code or None if a signal ended it, stdout, stderr, the limit that stopped it); an
         interactor's (`talk`: its stdin and stdout, closed here) output file instead of its stdout."""
         top = self.runtime_dir / f"check-{uid}-{next(self._count)}"
@@ -221,15 +222,15 @@ class Checkers:
                 out.mkdir()
                 os.chown(out, uid, uid)
                 os.chmod(out, 0o700)
-            return await self._run_in(prepared, files, uid, cgroup, top, work, out, pending, wall_s, manager)
+            return await self._run_in(prepared, files, uid, cgroup, top, work, out, pending, wall_s, manager, args)
         finally:
             while pending:  # not handed to the interactor: the submission must still see an end
                 os.close(pending.pop())
             await asyncio.to_thread(shutil.rmtree, top, True)
 
     async def _run_in(self, prepared: Prepared, files: dict[str, bytes], uid: int, cgroup: JailCgroup, top: Path,
-                      work: Path, out: Path | None, talk: list[int], wall_s: float,
-                      manager: bool = False) -> tuple[int | None, bytes, bytes, str | None]:
+                      work: Path, out: Path | None, talk: list[int], wall_s: float, manager: bool = False,
+                      args: list[str] | None = None) -> tuple[int | None, bytes, bytes, str | None]:
         limit_s = max(2 * CPU_S, wall_s) + 5
         name = "checker.py" if prepared.spec.language == "python" else "checker"
         for file, data in {**files, name: prepared.program}.items():
@@ -238,7 +239,7 @@ class Checkers:
         os.chmod(work, 0o555)
         cfg = top / "checker.cfg"
         cfg.write_text(config_text(self._config(prepared, work, uid, out, wall_s,
-                                                list(talk) if manager else None)))
+                                                list(talk) if manager else None, args)))
         cgroup.set_memory_limit(MEMORY_MB << 20)
         cgroup.set_pids_max(PIDS)
         oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()

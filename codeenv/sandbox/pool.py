@@ -581,7 +581,8 @@ class SlotPool:
 
             async def interact(stdin: bytes, answer: bytes, talk: list[int], wall_s: float) -> Interaction:
                 return await helpers.interact(interactor, stdin, answer, talk, wall_s, helper_uid, helper_group,
-                                              manager=manager, checked=spec.checker is not None)
+                                              manager=manager, checked=spec.checker is not None,
+                                              manager_args=spec.interactor.manager_args if spec.interactor else None)
 
         return await judge(zygote, code, request.judge, limits, total_wall_s, restart, check, interact)
 
