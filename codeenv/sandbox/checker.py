@@ -23,7 +23,6 @@ Usage (on a worker; `uid` and `cgroup` are the slot's checker's)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -31,7 +30,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +41,7 @@ from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.compiler import Compiler
 from codeenv.sandbox.image import SANDBOX_UID, Image
 from codeenv.sandbox.jail import WORKDIR, config_text, jail_env, nsjail_binary, seccomp_policy, without_linker_notices
-from codeenv.sandbox.outside.process import ATTACH_AND_EXEC
+from codeenv.sandbox.outside.process import one_shot
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
@@ -243,37 +241,30 @@ class Checkers:
         cgroup.set_memory_limit(MEMORY_MB << 20)
         cgroup.set_pids_max(PIDS)
         oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()
-        t0 = time.monotonic()
         talks = bool(talk) and not manager  # through its stdin and stdout
         if manager:  # it opens them by path (the worker's pipes are root's, 0600; with fifo_io the
             for fd in talk:  # submission's processes open the same pipes as another uid)
                 os.fchmod(fd, 0o666)
+
+        def spawned() -> None:
+            while talk:  # the interactor's now: the submission sees an end when it does
+                os.close(talk.pop())
+
+        async def collect(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+            assert proc.stderr is not None
+            printed, err = await asyncio.gather(
+                _read_capped(proc.stdout) if proc.stdout is not None else _nothing(), _read_capped(proc.stderr))
+            return printed, err
+
         given = os.open(work / "input", os.O_RDONLY | os.O_CLOEXEC) if manager else subprocess.DEVNULL
         try:  # a manager's stdin: the test's input
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
-                str(nsjail_binary(self.settings)), "--config", str(cfg),
+            (printed, err), status, wall = await one_shot(
+                self.settings, cfg, cgroup, limit_s + 5, collect, spawned,
                 stdin=talk[0] if talks else given, stdout=talk[1] if talks else subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(talk) if manager else ())
+                stderr=subprocess.PIPE, pass_fds=tuple(talk) if manager else ())
         finally:
             if manager:
                 os.close(given)
-        while talk:  # the interactor's now: the submission sees an end when it does
-            os.close(talk.pop())
-        assert proc.stderr is not None
-        try:
-            async with asyncio.timeout(limit_s + 5):
-                printed, err = await asyncio.gather(
-                    _read_capped(proc.stdout) if proc.stdout is not None else _nothing(), _read_capped(proc.stderr))
-                status = await proc.wait()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(cgroup.kill_all)
-            await proc.wait()
-            raise
-        wall = time.monotonic() - t0
-        await asyncio.to_thread(cgroup.kill_all)
         cpu1 = cgroup.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         err = without_linker_notices(err.decode("utf-8", "replace"), nsjail_binary(self.settings)).encode()

@@ -28,9 +28,7 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +41,7 @@ from codeenv.models import CompileInfo, LimitName
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import SANDBOX_UID
 from codeenv.sandbox.jail import config_text, nsjail_binary, without_linker_notices
-from codeenv.sandbox.outside.process import ATTACH_AND_EXEC
+from codeenv.sandbox.outside.process import one_shot
 from codeenv.sandbox.toolchain import Toolchain, built_toolchain
 from codeenv.settings import SandboxSettings
 
@@ -197,26 +195,14 @@ class Compiler:
             cgroup.set_memory_limit(s.cpp_compile_memory_mb << 20)
             cgroup.set_pids_max(COMPILE_PIDS)
             oom0, cpu0 = cgroup.oom_kills(), cgroup.cpu_usage_ns()
-            t0 = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
-                str(nsjail_binary(s)), "--config", str(cfg),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            assert proc.stdout is not None
-            try:
-                async with asyncio.timeout(2 * s.cpp_compile_cpu_s + 20):
-                    diagnostics = await _read_capped(proc.stdout, DIAGNOSTICS_BYTES)
-                    code = await proc.wait()
-            except BaseException:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(cgroup.kill_all)
-                await proc.wait()
-                raise
-            wall = time.monotonic() - t0
-            await asyncio.to_thread(cgroup.kill_all)  # what nsjail left, if anything
+
+            async def collect(proc: asyncio.subprocess.Process) -> bytes:
+                assert proc.stdout is not None
+                return await _read_capped(proc.stdout, DIAGNOSTICS_BYTES)
+
+            diagnostics, code, wall = await one_shot(
+                s, cfg, cgroup, 2 * s.cpp_compile_cpu_s + 20, collect,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             cpu1 = cgroup.cpu_usage_ns()
             cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
             text = without_linker_notices(diagnostics.decode("utf-8", "replace"), nsjail_binary(s))

@@ -94,51 +94,26 @@ class Submission:
             self.test_child(fds, msg)
 
         if "procs" in msg:  # a Communication task's processes, at once
-            return self.test_processes(msg, fds, before, t0)
-        pid = self.spawn_binary(fds, msg["cpu_s"]) if self.binary_fd is not None else proc.spawn(body)
-        proc.close_all(fds)
-        pidfd = os.pidfd_open(pid)
-        killed = False
-
-        def on_message() -> bool:
-            nonlocal killed
-            if proc.recv_or_exit(self.sock).get("op") == Judge.KILL:
-                killed = True
-                os.kill(-1, signal.SIGKILL)
-            return False
-
-        waited = proc.wait_child(pidfd, t0 + msg["wall_s"], {self.sock.fileno(): on_message})
+            pids = self.spawn_processes(msg, fds)
+        else:
+            pids = [self.spawn_binary(fds, msg["cpu_s"]) if self.binary_fd is not None else proc.spawn(body)]
+            proc.close_all(fds)
+        waited, statuses, maxrss, killed = self.wait_for(pids, t0 + msg["wall_s"])
         wall = time.monotonic() - t0
-        if waited != proc.ENDED:
-            os.kill(-1, signal.SIGKILL)
-        _, status, usage = os.wait4(pid, 0)
-        os.close(pidfd)
         proc.kill_all()  # what the test left behind (orphans come to us: we are their subreaper)
         if output is not None:
             self.send_output(output, int(msg.get("output_bytes", 0)) + 1)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         clean = self.workdir.clean(self.cleanup_timeout_s)
         self.workdir.reset_times()
-        return {"op": Judge.DONE, "i": msg.get("i"), "wait_status": status, "wall_s": wall,
-                "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-                "maxrss_kb": usage.ru_maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed,
-                "clean": clean}
+        return {"op": Judge.DONE, "i": msg.get("i"), "wait_status": next((w for w in statuses if w), 0),
+                "wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+                "maxrss_kb": maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed, "clean": clean}
 
-    def test_processes(self, msg: dict[str, Any], fds: list[int], before: Any, t0: float) -> dict[str, Any]:
-        """One test of a compiled program run as several processes (each its argv and fds, by index
-        into `fds`; stderr shared), under the test's limits each; the first that failed is the test's
-        status."""
-        pids = []
-        assert self.binary_fd is not None
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in (*fds, self.binary_fd)]  # above targets
-        proc.close_all(fds)
-        *fds, exe = high
-        try:
-            for spec in msg["procs"]:
-                moves = {int(target): fds[index] for target, index in spec["fds"].items()}
-                pids.append(self.spawn_binary(fds, msg["cpu_s"], [str(a) for a in spec["argv"]], moves, exe))
-        finally:
-            proc.close_all([*fds, exe])
+    def wait_for(self, pids: list[int], deadline: float) -> tuple[str, list[int], int, bool]:
+        """Wait for a test's processes, in turn, until `deadline` (past it, or on the worker's KILL,
+        every process of the jail is killed): how the wait ended, each one's wait status, the
+        largest resident size, and whether the worker killed them."""
         killed = False
 
         def on_message() -> bool:
@@ -148,7 +123,7 @@ class Submission:
                 os.kill(-1, signal.SIGKILL)
             return False
 
-        deadline, waited, statuses, maxrss = t0 + msg["wall_s"], proc.ENDED, [], 0
+        waited, statuses, maxrss = proc.ENDED, [], 0
         for pid in pids:
             pidfd = os.pidfd_open(pid)
             if waited == proc.ENDED:
@@ -159,14 +134,23 @@ class Submission:
             os.close(pidfd)
             statuses.append(status)
             maxrss = max(maxrss, usage.ru_maxrss)
-        wall = time.monotonic() - t0
-        proc.kill_all()
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        clean = self.workdir.clean(self.cleanup_timeout_s)
-        self.workdir.reset_times()
-        return {"op": Judge.DONE, "i": msg.get("i"), "wait_status": next((w for w in statuses if w), 0),
-                "wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-                "maxrss_kb": maxrss, "timed_out": waited == proc.TIMED_OUT, "killed": killed, "clean": clean}
+        return waited, statuses, maxrss, killed
+
+    def spawn_processes(self, msg: dict[str, Any], fds: list[int]) -> list[int]:
+        """A compiled program started as several processes at once (each its argv and fds, by index
+        into `fds`; stderr shared), each under the test's CPU limit; `fds` are closed here."""
+        assert self.binary_fd is not None
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in (*fds, self.binary_fd)]  # above targets
+        proc.close_all(fds)
+        *fds, exe = high
+        pids = []
+        try:
+            for spec in msg["procs"]:
+                moves = {int(target): fds[index] for target, index in spec["fds"].items()}
+                pids.append(self.spawn_binary(fds, msg["cpu_s"], [str(a) for a in spec["argv"]], moves, exe))
+        finally:
+            proc.close_all([*fds, exe])
+        return pids
 
     def write_input(self, stdin_fd: int) -> None:
         """The test's input as input.txt in the (empty) work dir."""

@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from codeenv.errors import SandboxError, ZygoteDied
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.inside.protocol import MAX_FDS, MAX_MSG, Ctl, decode, encode
-from codeenv.sandbox.jail import config_text, jail_config, linker_notice
+from codeenv.sandbox.jail import config_text, jail_config, linker_notice, nsjail_binary
 from codeenv.sandbox.sizing import socket_memory_limit
 from codeenv.settings import SandboxSettings
 
@@ -39,6 +39,35 @@ ATTACH_AND_EXEC = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 111; shift;
 
 #: A message from the zygote and the fds it carried (None: the control socket closed).
 Received = tuple[dict[str, Any], list[int]] | None
+
+
+async def one_shot[T](settings: SandboxSettings, cfg: Path, cgroup: JailCgroup, timeout_s: float,
+                      collect: Callable[[asyncio.subprocess.Process], Awaitable[T]],
+                      spawned: Callable[[], None] | None = None, **popen: Any) -> tuple[T, int, float]:
+    """Run a one-shot nsjail (a compile, a checker) with config `cfg`, attached to `cgroup` before
+    it starts: `collect(proc)` reads what it prints; `spawned()` runs once it has started (e.g. to
+    close the fds it took); `popen` are its stdio and pass_fds. Within `timeout_s`, or its process
+    group and cgroup are killed first (a timeout, an error, a cancellation). Returns what was
+    collected, its exit status and its wall time; what it left in its cgroup is killed."""
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", ATTACH_AND_EXEC, "sh", *map(str, cgroup.procs_files()), "--",
+        str(nsjail_binary(settings)), "--config", str(cfg), start_new_session=True, **popen)
+    if spawned is not None:
+        spawned()
+    try:
+        async with asyncio.timeout(timeout_s):
+            collected = await collect(proc)
+            status = await proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(cgroup.kill_all)
+        await proc.wait()
+        raise
+    wall = time.monotonic() - t0
+    await asyncio.to_thread(cgroup.kill_all)  # what nsjail left, if anything
+    return collected, status, wall
 
 
 def jail_init_pid(nsjail_pid: int) -> int:
