@@ -166,6 +166,31 @@ async def test_a_refused_request_and_the_ledger(pool: SlotPool) -> None:
 
 
 @pytest.mark.jail
+async def test_step_metrics_count_the_calls_since_the_last_step(pool: SlotPool) -> None:
+    app = pool_app(pool)
+    try:
+        async with AsyncClient("http://localhost", transport=httpx.ASGITransport(app=app)) as client:
+            assert client.step_metrics() == {"codeenv/calls": 0.0}
+            await client.run_many(["print(1)", "1/0", "print(2)"])
+            await client.run("import time\ntime.sleep(5)", limits={"wall_s": 1})
+            await client.run("print(1)", limits={"wall_s": 10_000})  # refused: a service fault to RL
+            await client.judge("print(int(input()) * 2)", [{"stdin": "2", "expected_stdout": "4"}])
+            step = client.step_metrics(prefix="tool/")
+            assert step["tool/calls"] == 6
+            assert (step["tool/status/ok"], step["tool/status/error"], step["tool/status/timeout"],
+                    step["tool/status/rejected"]) == (3, 1, 1, 1)  # the judged call: ok
+            assert step["tool/tool_error_ratio"] == pytest.approx(2 / 6)
+            assert step["tool/service_fault_ratio"] == pytest.approx(1 / 6)
+            assert 1 <= step["tool/slowest_s"] < 10 and step["tool/run_s/p99"] >= step["tool/run_s/p50"]
+            assert step["tool/queue_s/p50"] >= 0
+            assert client.step_metrics() == {"codeenv/calls": 0.0}  # the next step starts empty
+            await client.run("print(3)")
+            assert client.step_metrics()["codeenv/calls"] == 1
+    finally:
+        await app.state.parser.close()
+
+
+@pytest.mark.jail
 async def test_the_sync_client_works_inside_a_running_loop() -> None:
     """As in Jupyter: a loop is running in this thread, and the blocking client still works."""
     service = start_service("serve", "--slots", "1", "--log-level", "warning")

@@ -24,6 +24,7 @@ from codeenv.client._session import (
     session_json,
     session_request,
 )
+from codeenv.client._step import StepFigures
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
 from codeenv.models import (
     SESSION_KEY_HEADER,
@@ -117,6 +118,7 @@ class AsyncClient:
         self._closed = False
         #: HTTP requests made so far (a batch counts once).
         self.requests_sent = 0
+        self._step = StepFigures(seed)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -180,9 +182,18 @@ class AsyncClient:
                      None if request.deadline_s is None else now + request.deadline_s)
         self._enqueue(item)
         result = await item.future
+        self._step.record(result)
         if ledger is not None:
             ledger.record(result)
         return result
+
+    def step_metrics(self, prefix: str = "codeenv/") -> dict[str, float]:
+        """The figures of this client's calls (judged submissions and session cells included) since
+        the last step_metrics(), flat and numeric, to merge into the trainer's metrics: `calls`,
+        `status/<status>` counts, `tool_error_ratio` (the program's failures), `service_fault_ratio`,
+        `queue_s/p50`, `queue_s/p99`, `run_s/p50`, `run_s/p99` and `slowest_s` (queue and run). Taking
+        them starts the next step."""
+        return self._step.take(prefix)
 
     async def judge(self, code: str, tests: Sequence[Mapping[str, Any]] | None = None, *,
                     problem: Problem | str | None = None, fn_name: str | None = None, compare: str = "lines",

@@ -52,6 +52,10 @@ class Client:
         """AsyncClient.judge, blocking."""
         return self._call(self._client.judge(code, tests, **options))
 
+    def step_metrics(self, prefix: str = "codeenv/") -> dict[str, float]:
+        """AsyncClient.step_metrics."""
+        return self._client.step_metrics(prefix)
+
     def upload_problem(self, problem: Problem) -> dict[str, Any]:
         """AsyncClient.upload_problem, blocking."""
         return self._call(self._client.upload_problem(problem))
