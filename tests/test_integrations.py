@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 
@@ -161,3 +162,60 @@ async def test_skyrl_tool_group_in_a_real_environment(service: str) -> None:
     assert "1024" in observations[0] and "ModuleNotFoundError" in observations[1]
     assert group.metrics["tool_error"] == 1
     assert (group.ledger.calls, group.ledger.tool_errors) == (2, 1)
+
+
+async def live_sessions(service: str) -> float:
+    async with httpx.AsyncClient(base_url=service) as http:
+        text = (await http.get("/metrics")).text
+    return float(re.search(r"^codeenv_sessions (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.jail
+async def test_skyrl_stateful_tool_group_keeps_state_and_deletes_its_session(service: str) -> None:
+    load_skyrl_gym()
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    from codeenv.integrations.skyrl import CodeenvToolGroup
+
+    group = CodeenvToolGroup(url=service, stateful=True, limits={"wall_s": 5})
+
+    class Env(BaseTextEnv):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.init_tool_groups([group])
+
+        def step(self, action: str) -> Any:
+            return self._execute_tool("CodeenvToolGroup", "python", [action])
+
+        def close(self) -> None:
+            for tool_group in self.tool_groups:
+                tool_group.close()
+
+    before = await live_sessions(service)
+    env = Env()
+    observations = await asyncio.to_thread(lambda: [env.step("x = 41"), env.step("x += 1\nprint(x)")])
+    assert "42" in observations[1], observations
+    assert await live_sessions(service) == before + 1
+    await asyncio.to_thread(env.close)
+    assert await live_sessions(service) == before and group.code.live_sessions == 0
+    assert (group.ledger.calls, group.ledger.tool_errors) == (2, 0)
+
+
+@pytest.mark.jail
+async def test_a_stateful_tool_ends_every_trajectorys_session(service: str) -> None:
+    from codeenv.integrations.tool import CodeTool, ToolSettings
+
+    tool = CodeTool(ToolSettings.from_mapping({"url": service, "stateful": True, "limits": {"wall_s": 5}}))
+    before = await live_sessions(service)
+
+    async def trajectory(i: int) -> str:
+        await tool.run(f"n = {i}", f"t{i}")
+        outcome = await tool.run("print(n * 2)", f"t{i}")
+        await tool.end(f"t{i}")
+        return outcome.text
+
+    texts = await asyncio.gather(*(trajectory(i) for i in range(64)))
+    assert [t.strip() for t in texts] == [str(2 * i) for i in range(64)]
+    assert tool.live_sessions == 0 and await live_sessions(service) == before
+    with pytest.raises(ValueError, match="stateful"):
+        ToolSettings.from_mapping({"url": service, "snapshot": "s"})

@@ -8,6 +8,11 @@ Usage (in an environment)::
 
     self.init_tool_groups([CodeenvToolGroup(url="http://127.0.0.1:8000", limits={"wall_s": 5})])
     observation = self._execute_tool("CodeenvToolGroup", "python", [code])
+
+    # stateful=True: one live session per environment, deleted by the environment's close():
+    def close(self):
+        for group in self.tool_groups:
+            group.close()
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from codeenv.rl import ToolLedger
 class CodeenvToolGroup(ToolGroup):  # type: ignore[misc]  # skyrl_gym ships no type information
     """A tool group whose `python(code)` runs on codeenv and answers the feedback text. One group
     serves one trajectory (one environment): its ledger is that trajectory's tool calls; `metrics`
-    holds the last call's status, cpu_s, tool_error and service_fault."""
+    holds the last call's status, cpu_s, tool_error and service_fault. With `stateful=True` its calls
+    run in one live session (variables and imports last from call to call), which `close()` deletes:
+    call it from the environment's `close()`."""
 
     def __init__(self, config: Mapping[str, Any] | None = None, **options: Any) -> None:
         self.code = CodeTool(ToolSettings.from_mapping({**(config or {}), **options}))
@@ -42,3 +49,7 @@ class CodeenvToolGroup(ToolGroup):  # type: ignore[misc]  # skyrl_gym ships no t
     def ledger(self) -> ToolLedger:
         """This trajectory's tool calls, for GRPO-RoC."""
         return self.code.ledger(self._trajectory)
+
+    def close(self) -> None:
+        """The environment is done: a stateful group's session is deleted (nothing otherwise)."""
+        self.code.end_sync(self._trajectory)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import threading
@@ -22,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from codeenv.client import AsyncClient, format_feedback
+from codeenv.client import AsyncClient, AsyncSession, format_feedback
 from codeenv.client._async import check_base_url
-from codeenv.client.errors import ClientError
+from codeenv.client.errors import ClientError, SessionLost
 from codeenv.models import SERVICE_FAULTS, ExecResult, Status
 from codeenv.rl import ToolLedger
 
@@ -42,6 +43,9 @@ class ToolSettings:
     style: Literal["default", "rstar2"] = "default"  # format_feedback's style
     max_output_chars: int = 4096  # the feedback text's length (head and tail kept)
     client: Mapping[str, Any] = field(default_factory=dict)  # AsyncClient's options (max_in_flight, ...)
+    stateful: bool = False  # each trajectory's calls run in a live session of its own (end() deletes it)
+    snapshot: str | None = None  # stateful: each trajectory's session starts as a fork of this snapshot
+    profile: str | None = None  # stateful: the sessions' profile (the service's default unless set)
 
     @classmethod
     def from_env(cls) -> ToolSettings:
@@ -67,6 +71,8 @@ class ToolSettings:
         if settings.max_output_chars < 16:
             raise ValueError("max_output_chars must be at least 16")
         check_base_url(settings.url)  # at the tool's creation, not at the rollout's first call
+        if settings.snapshot is not None and not settings.stateful:
+            raise ValueError("snapshot is for a stateful tool (stateful: true)")
         return settings
 
 
@@ -106,6 +112,7 @@ class CodeTool:
     def __init__(self, settings: ToolSettings | None = None) -> None:
         self.settings = settings or ToolSettings()
         self._ledgers: collections.OrderedDict[str, ToolLedger] = collections.OrderedDict()
+        self._sessions: dict[str, AsyncSession] = {}  # stateful: each trajectory's live session
 
     def ledger(self, trajectory: str) -> ToolLedger:
         """The ledger of a trajectory (created empty on first use)."""
@@ -127,7 +134,17 @@ class CodeTool:
             text = "The python tool needs a non-empty `code` string."
             return ToolOutcome(text, {"status": "rejected", "tool_error": 1, "service_fault": 0, "cpu_s": 0.0}, None)
         try:
-            result = await _client(self.settings).run(code, limits=dict(self.settings.limits), ledger=ledger)
+            if self.settings.stateful:
+                result = await self._cell(code, trajectory, ledger)
+            else:
+                result = await _client(self.settings).run(code, limits=dict(self.settings.limits), ledger=ledger)
+        except SessionLost as exc:  # its state is gone: the next call starts a new session
+            if trajectory is not None:
+                self._sessions.pop(trajectory, None)
+            text = (f"The python session ended and its state is gone ({exc}); the next call starts a new "
+                    "one: define again what later code needs.")[: self.settings.max_output_chars]
+            return ToolOutcome(text, {"status": "session_lost", "tool_error": 0, "service_fault": 1, "cpu_s": 0.0},
+                               exc.result if isinstance(exc.result, ExecResult) else None)
         except ClientError as exc:
             fault = ExecResult(status=Status.internal_error, message=f"{type(exc).__name__}: {exc}")
             if ledger is not None:
@@ -146,10 +163,38 @@ class CodeTool:
                    "cpu_s": result.cpu_s}
         return ToolOutcome(text, metrics, result)
 
+    async def _cell(self, code: str, trajectory: str | None, ledger: ToolLedger | None) -> ExecResult:
+        """A stateful tool's call: the next cell of the trajectory's session (started on first use)."""
+        if trajectory is None:
+            raise ValueError("a stateful tool's call belongs to a trajectory")
+        session = self._sessions.get(trajectory)
+        if session is None:
+            client = _client(self.settings)
+            starter = (client.from_snapshot(self.settings.snapshot) if self.settings.snapshot is not None
+                       else client.session(profile=self.settings.profile))
+            session = self._sessions[trajectory] = await starter
+        return await session.run(code, limits=dict(self.settings.limits), ledger=ledger)
+
+    async def end(self, trajectory: str) -> None:
+        """A trajectory is over: its session (a stateful tool's) is deleted; nothing otherwise."""
+        session = self._sessions.pop(trajectory, None)
+        if session is not None:
+            with contextlib.suppress(ClientError):  # gone already, or the service unreachable: its TTL ends it
+                await session.close()
+
+    @property
+    def live_sessions(self) -> int:
+        """A stateful tool's sessions not ended yet."""
+        return len(self._sessions)
+
     def run_sync(self, code: object, trajectory: str | None = None) -> ToolOutcome:
         """run(), for frameworks whose tools are plain functions: every caller in this process shares
         one background event loop, so calls from many threads are micro-batched together."""
         return asyncio.run_coroutine_threadsafe(self.run(code, trajectory), _background_loop()).result()
+
+    def end_sync(self, trajectory: str) -> None:
+        """end(), on the background loop that run_sync() uses."""
+        asyncio.run_coroutine_threadsafe(self.end(trajectory), _background_loop()).result()
 
 
 _background: asyncio.AbstractEventLoop | None = None
