@@ -93,11 +93,30 @@ JUDGE_TESTS = {"allOf": [
 ]}
 
 
+#: Files in and out (input_mode file) are for stdin tests, not interactive ones (models._check_input_mode).
+FILE_IO = {"if": {"required": ["input_mode"], "properties": {"input_mode": {"const": "file"}}},
+           "then": {"properties": {"fn_name": {"type": "null"}, "interactor": {"type": "null"}}}}
+#: An interactor with several processes or fifo_io (a manager's) runs a compiled program
+#: (models.ExecRequest._session_cell).
+SEVERAL = {"type": "object", "anyOf": [{"required": ["processes"], "properties": {"processes": {"minimum": 2}}},
+                                       {"required": ["user_io"], "properties": {"user_io": {"const": "fifo_io"}}}]}
+JUDGE_TESTS["allOf"] += [
+    FILE_IO,
+    {"if": {"required": ["interactor"], "properties": {"interactor": SEVERAL}},
+     "then": {"required": ["language"], "properties": {"language": {"pattern": CPP}}}},
+]
 #: A problem package's tests, as ProblemPackage._fits takes them (what JUDGE_TESTS says of tests).
-PACKAGE_TESTS = {"allOf": JUDGE_TESTS["allOf"][-3:]}
+PACKAGE_TESTS = {"allOf": [*JUDGE_TESTS["allOf"][-5:-2], FILE_IO]}
+#: What is a manager's alone (models.InteractorSpec._fits).
+INTERACTOR = {"allOf": [
+    {"if": {"not": {"required": ["protocol"], "properties": {"protocol": {"const": "manager"}}}},
+     "then": {"properties": {"processes": {"const": 1}, "user_io": {"const": "std_io"},
+                             "manager_args": {"maxItems": 0}}}},
+]}
 
 
 JUDGE_SPEC_TESTS = {"allOf": [
+    FILE_IO,
     # the tests or a problem that holds them (models.JudgeSpec._tests_fit)
     {"oneOf": [{"required": ["tests"], "properties": {"tests": {"minItems": 1},
                                                       "problem": {"type": "null"}}},
@@ -153,6 +172,15 @@ def _bounds(components: dict[str, Any], settings: GatewaySettings, profiles: lis
         for option in spec.get("properties", {}).get("fn_name", {}).get("anyOf", []):
             if option.get("type") == "string":
                 option["pattern"] = FN_NAME_PATTERN
+    interactor = components.get("InteractorSpec")
+    if interactor is not None:
+        interactor.update(INTERACTOR)
+    execute = components.get("ExecRequest")
+    if execute is not None:  # a judged call's interactor of several processes: language cpp
+        execute.setdefault("allOf", []).append(
+            {"if": {"required": ["judge"], "properties": {"judge": {
+                "type": "object", "required": ["interactor"], "properties": {"interactor": SEVERAL}}}},
+             "then": {"required": ["language"], "properties": {"language": {"const": "cpp"}}}})
     package = components.get("ProblemPackage")
     if package is not None:
         package.update(PACKAGE_TESTS)
