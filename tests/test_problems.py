@@ -158,6 +158,7 @@ async def test_the_client_uploads_once_and_again_after_an_eviction(served: Serve
     assert rebuilt.sha256 == problem.sha256 and rebuilt.body == problem.body
     async with served() as url, AsyncClient(url) as client:
         first = await client.judge(DOUBLE, problem=problem, id="mine")
+        assert client.step_metrics()["codeenv/calls"] == 1  # its refused first try not counted apart
         sent = client.requests_sent
         many = await asyncio.gather(*(client.judge(DOUBLE, problem=problem) for _ in range(6)))
         assert first.status == "failed" and first.id == "mine", first  # "x" is not the double: the checker says 0

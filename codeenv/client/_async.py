@@ -170,8 +170,9 @@ class AsyncClient:
             "preset": preset, "std": std})
         return await self.submit(request, ledger=ledger)
 
-    async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None) -> ExecResult:
-        """Run one prepared ExecRequest (an id is added if it has none)."""
+    async def submit(self, request: ExecRequest, *, ledger: Recorder | None = None,
+                     counted: bool = True) -> ExecResult:
+        """Run one prepared ExecRequest (an id is added if it has none); `counted`: in step_metrics()."""
         if self._closed:
             raise ClientClosed("the client is closed")
         if request.id is None:
@@ -182,7 +183,8 @@ class AsyncClient:
                      None if request.deadline_s is None else now + request.deadline_s)
         self._enqueue(item)
         result = await item.future
-        self._step.record(result)
+        if counted:
+            self._step.record(result)
         if ledger is not None:
             ledger.record(result)
         return result
@@ -217,13 +219,14 @@ class AsyncClient:
         else:
             fields["problem"] = problem if isinstance(problem, str) else problem.sha256
         call = JudgeRequest.model_validate(fields).to_call()
-        result = await self.submit(call)
+        result = await self.submit(call, counted=False)
         if result.refusal is Refusal.problem_unknown and isinstance(problem, Problem):
             await self.upload_problem(problem)
             # The first call never ran (refused before the queue, or by a worker that could not fetch
             # the package): sent again under a new id, answered under the caller's.
-            result = await self.submit(call.model_copy(update={"id": uuid.uuid4().hex}))
+            result = await self.submit(call.model_copy(update={"id": uuid.uuid4().hex}), counted=False)
             result.id = call.id
+        self._step.record(result)  # the call as the caller sees it: once
         return JudgeResult.from_call(result)
 
     async def upload_problem(self, problem: Problem) -> dict[str, Any]:
