@@ -313,7 +313,9 @@ class Workdir:
         path = self.path.encode()
         if proc.libc().umount2(path, proc.MNT_DETACH) != 0:
             return False
-        proc.mount(b"tmpfs", path, b"tmpfs", proc.MS_NOSUID | proc.MS_NODEV, self.tmpfs_options.encode())
+        # Its source named as nsjail names the first one ("none"): a call cannot tell a fresh work dir
+        # from the jail's first by its mountinfo line.
+        proc.mount(b"none", path, b"tmpfs", proc.MS_NOSUID | proc.MS_NODEV, self.tmpfs_options.encode())
         os.chdir(self.path)  # the zygote's cwd held the old one
         self.record_baseline()
         return True
