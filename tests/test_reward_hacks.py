@@ -162,8 +162,8 @@ def observe():
             text = b"\n".join(l for l in text.split(b"\n") if not l.startswith((b"Pid", b"PPid", b"Tgid", b"NSpid",
                               b"NStgid", b"NSpgid", b"NSsid", b"Vm", b"Rss", b"Hugetlb", b"voluntary", b"nonvoluntary",
                               b"Sig", b"Threads")))
-        if name == "maps":  # addresses are randomised; what is mapped is not
-            text = b"\n".join(l.split(None, 5)[-1] for l in text.split(b"\n") if len(l.split(None, 5)) > 5)
+        if name == "maps":  # addresses are randomised, and with them the order; what is mapped is not
+            text = b"\n".join(sorted(l.split(None, 5)[-1] for l in text.split(b"\n") if len(l.split(None, 5)) > 5))
         if name == "mountinfo":  # mount ids and device numbers are the host's (a fresh work dir gets new ones)
             text = b"\n".join(b" ".join(l.split()[3:]) for l in text.split(b"\n"))
         seen[name] = hashlib.sha256(text).hexdigest()[:16]

@@ -8,7 +8,6 @@ it says beyond what a program could say about itself, and measures and enforces 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import resource
@@ -139,6 +138,8 @@ class Submission:
     def spawn_processes(self, msg: dict[str, Any], fds: list[int]) -> list[int]:
         """A compiled program started as several processes at once (each its argv and fds, by index
         into `fds`; stderr shared), each under the test's CPU limit; `fds` are closed here."""
+        import fcntl  # here: a judged test's process maps no module that ordinary tests did not
+
         assert self.binary_fd is not None
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in (*fds, self.binary_fd)]  # above targets
         proc.close_all(fds)
