@@ -141,43 +141,23 @@ async def test_verl_function_tool(verl: None, service: str, monkeypatch: pytest.
 @pytest.mark.jail
 async def test_skyrl_tool_group_in_a_real_environment(service: str) -> None:
     load_skyrl_gym()
-    from skyrl_gym.envs.base_text_env import BaseTextEnv
     from skyrl_gym.tools.core import ToolGroup
 
     from codeenv.integrations.skyrl import CodeenvToolGroup
 
     group = CodeenvToolGroup(url=service, limits={"wall_s": 5})
     assert isinstance(group, ToolGroup) and group.get_tool_names() == ["python"]
-
-    class Env(BaseTextEnv):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.init_tool_groups([group])
-
-        def step(self, action: str) -> Any:
-            return self._execute_tool("CodeenvToolGroup", "python", [action])
-
-    env = Env()
+    env = skyrl_env(group)
     observations = await asyncio.to_thread(lambda: [env.step("print(2 ** 10)"), env.step("import nope")])
     assert "1024" in observations[0] and "ModuleNotFoundError" in observations[1]
     assert group.metrics["tool_error"] == 1
     assert (group.ledger.calls, group.ledger.tool_errors) == (2, 1)
 
 
-async def live_sessions(service: str) -> float:
-    async with httpx.AsyncClient(base_url=service) as http:
-        text = (await http.get("/metrics")).text
-    return float(re.search(r"^codeenv_sessions (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
-
-
-@pytest.mark.jail
-async def test_skyrl_stateful_tool_group_keeps_state_and_deletes_its_session(service: str) -> None:
-    load_skyrl_gym()
+def skyrl_env(group: Any) -> Any:
+    """A SkyRL-gym BaseTextEnv whose step runs its action with `group`'s python tool, and whose
+    close() closes its tool groups (as the README tells an environment to)."""
     from skyrl_gym.envs.base_text_env import BaseTextEnv
-
-    from codeenv.integrations.skyrl import CodeenvToolGroup
-
-    group = CodeenvToolGroup(url=service, stateful=True, limits={"wall_s": 5})
 
     class Env(BaseTextEnv):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -191,8 +171,23 @@ async def test_skyrl_stateful_tool_group_keeps_state_and_deletes_its_session(ser
             for tool_group in self.tool_groups:
                 tool_group.close()
 
+    return Env()
+
+
+async def live_sessions(service: str) -> float:
+    async with httpx.AsyncClient(base_url=service) as http:
+        text = (await http.get("/metrics")).text
+    return float(re.search(r"^codeenv_sessions (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.jail
+async def test_skyrl_stateful_tool_group_keeps_state_and_deletes_its_session(service: str) -> None:
+    load_skyrl_gym()
+    from codeenv.integrations.skyrl import CodeenvToolGroup
+
+    group = CodeenvToolGroup(url=service, stateful=True, limits={"wall_s": 5})
     before = await live_sessions(service)
-    env = Env()
+    env = skyrl_env(group)
     observations = await asyncio.to_thread(lambda: [env.step("x = 41"), env.step("x += 1\nprint(x)")])
     assert "42" in observations[1], observations
     assert await live_sessions(service) == before + 1
