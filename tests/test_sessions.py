@@ -157,6 +157,20 @@ async def test_a_cell_stopped_by_a_limit_is_rolled_back(pool: SlotPool, stop: st
         assert not after.rolled_back and after.execution_count == 3
 
 
+async def test_the_oom_killer_takes_a_cell_before_the_session_it_came_from(pool: SlotPool) -> None:
+    # A kept cell ran with the OOM killer's highest score and became the session: the next cell's
+    # pre-cell process (it) must be back at the score it was born with, else the OOM killer may take
+    # it and the session with it (its cell's own processes and it tied, seen as a flaky rollback).
+    own = Path("/proc/self/oom_score_adj").read_text().strip()
+    m = manager(pool)
+    async with new_session(m, "light") as s:
+        assert (await cell(pool, s, "x = 1")).status == "ok"
+        scores = await cell(pool, s, "import os\n[open(f'/proc/{p}/oom_score_adj').read().strip()\n"
+                                     " for p in (os.getpid(), os.getppid())]")
+        assert scores.status == "ok", scores
+        assert ast.literal_eval(scores.value or "") == ["1000", own]
+
+
 async def test_files_a_rolled_back_cell_wrote_are_listed_and_remain(pool: SlotPool) -> None:
     m = manager(pool)
     async with new_session(m, "light") as s:

@@ -139,6 +139,9 @@ class SessionManager:
         self._key = _session_key(settings.state_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._spares: dict[str, asyncio.Task[Family]] = {}
+        # A session's process has the score it was born with (the worker's); a kept cell, which
+        # becomes the session, had 1000 while it ran, and gets this one back when the next cell starts.
+        self._session_oom_score = _own_oom_score()
         self._closing = False
         self._families: JailCgroup | None = None
         #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
@@ -631,6 +634,8 @@ class SessionManager:
             with contextlib.suppress(OSError, ValueError):
                 for pid in set(group.procs()) - before:  # the cell's go first, before the pre-cell process
                     write_oom_score(pid, b"1000")
+                for pid in before:  # which is a kept cell's (1000) after one: it would go as soon
+                    write_oom_score(pid, self._session_oom_score)
             try:
                 group.set_memory_limit(min(family.memory_cap, usage0 + (limits.memory_mb << 20)))
             except OSError:  # cgroup v1 refuses a limit below what the group holds: the fork took more
@@ -728,6 +733,15 @@ def _exited(pidfd: int) -> bool:
     import select
 
     return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _own_oom_score() -> bytes:
+    """This process's oom_score_adj (what its jails' processes inherit)."""
+    try:
+        with open("/proc/self/oom_score_adj", "rb") as f:
+            return f.read().strip() or b"0"
+    except OSError:
+        return b"0"
 
 
 def _session_key(state_dir: Path) -> bytes:
