@@ -179,6 +179,12 @@ SOURCE_FILE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 #: How many such files, and the most bytes the code and they may hold together.
 SOURCE_FILES_MAX, SOURCE_FILES_MAX_BYTES = 16, 4 << 20
 
+#: A call's training-step label: a count, so the service's figures keep a bounded table of steps.
+STEP_MAX = 2**31 - 1
+Step = Annotated[int, Field(ge=0, le=STEP_MAX), BeforeValidator(_integral)]  # an Integer, bounded
+STEP_DOC = ("the trainer's step this call belongs to (a count): each gateway keeps the figures of the last "
+            "64 steps it saw (GET /v1/steps)")
+
 
 def _check_source_files(code: str, files: dict[str, str], what: str) -> None:
     """ValueError unless `files` (compiled beside `code`) have plain names and fit the caps."""
@@ -242,6 +248,7 @@ class ExecRequest(BaseModel):
         None, gt=0, allow_inf_nan=False,
         description="must start within this many seconds, or it is answered overloaded and never run",
     )
+    step: Step | None = Field(None, description=STEP_DOC)
     files: dict[Text, str] = Field(
         default_factory=dict, description="files to write into the work dir first: relative path -> base64 content"
     )
@@ -811,6 +818,7 @@ class JudgeRequest(BaseModel):
     id: Text | None = Field(None, max_length=128, description="the caller's call id")
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="must start within this many seconds, or it is answered overloaded")
+    step: Step | None = Field(None, description=STEP_DOC)
     checker: CheckerSpec | None = Field(None, description="stdin tests: the problem's own checker decides each "
                                                           "test that ran to its end (README, \"Checkers\")")
     subtasks: list[Subtask] | None = Field(None, max_length=SUBTASKS_MAX, description="tests scored in groups: "
@@ -865,7 +873,8 @@ class JudgeRequest(BaseModel):
                          subtasks=self.subtasks, time_scale=self.time_scale, interactor=self.interactor,
                          input_mode=self.input_mode)
         return ExecRequest(code=self.code, limits=self.limits, id=self.id, deadline_s=self.deadline_s, judge=spec,
-                           language=language, preset=self.preset, std=self.std, graders=self.graders)
+                           language=language, preset=self.preset, std=self.std, graders=self.graders,
+                           step=self.step)
 
 
 class TestResult(BaseModel):

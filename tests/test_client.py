@@ -27,7 +27,7 @@ from codeenv.client import (
     truncate_middle,
 )
 from codeenv.integrations.tool import ToolSettings
-from codeenv.models import ErrorInfo, ExecResult, Status
+from codeenv.models import ErrorInfo, ExecRequest, ExecResult, Status
 from codeenv.rl import ToolLedger
 from tests.conftest import pool_app, serving, start_service, until
 
@@ -188,6 +188,45 @@ async def test_step_metrics_count_the_calls_since_the_last_step(pool: SlotPool) 
             assert client.step_metrics()["codeenv/calls"] == 1
     finally:
         await app.state.parser.close()
+
+
+@pytest.mark.jail
+async def test_calls_labelled_with_a_step_are_counted_per_step(pool: SlotPool) -> None:
+    app = pool_app(pool)
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://localhost", transport=transport) as client:
+            client.step = 7
+            await client.run_many(["print(1)", "1/0", "print(2)"])
+            await client.judge("print(int(input()) * 2)", [{"stdin": "2", "expected_stdout": "4"}], id="judged")
+            client.step = 8
+            await client.run("import time\ntime.sleep(0.3)", id="slow")
+            await client.run("print(1)", limits={"wall_s": 10_000})  # refused, and counted
+            await client.submit(ExecRequest(code="print(3)", step=9))  # its own label wins
+            client.step = None
+            await client.run("print(4)")  # no label: in no step
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
+                steps = (await http.get("/v1/steps")).json()
+                bad = await http.post("/v1/execute", json={"code": "print(1)", "step": -1})
+        assert [s["step"] for s in steps["steps"]] == [9, 8, 7] and steps["kept"] == 64
+        nine, eight, seven = steps["steps"]
+        assert (seven["calls"], seven["statuses"], seven["service_faults"]) == (4, {"ok": 3, "error": 1}, 0)
+        assert (eight["calls"], eight["statuses"], eight["service_faults"]) == (2, {"ok": 1, "rejected": 1}, 1)
+        assert eight["slowest"]["id"] == "slow" and eight["slowest"]["wall_s"] >= 0.3 and seven["cpu_s"] > 0
+        assert nine["calls"] == 1 and nine["slowest"]["status"] == "ok"
+        assert bad.status_code == 422 and "step" in bad.text
+    finally:
+        await app.state.parser.close()
+
+
+@pytest.mark.unit
+def test_a_gateway_keeps_the_last_steps_only() -> None:
+    from codeenv.api.metrics import Steps
+
+    steps = Steps(kept=3)
+    for step in (1, 2, 3, 4, 5, 1, 4):
+        steps.observe(step, ExecResult(status=Status.ok, wall_s=0.01 * step))
+    assert [(s["step"], s["calls"]) for s in steps.view()] == [(5, 1), (4, 2), (3, 1)]  # a late 1: not counted
 
 
 @pytest.mark.jail

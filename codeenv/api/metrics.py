@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
+import collections
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-from codeenv.models import ExecResult
+from codeenv.models import SERVICE_FAULTS, ExecResult, Status
 from codeenv.queue.base import CallQueue
+
+#: The training steps a gateway process keeps figures of (the highest; a request's `step` label).
+STEPS_KEPT = 64
+
+
+class Steps:
+    """The figures of the calls that carried a `step` label, per step, for the last STEPS_KEPT steps
+    (the highest seen: a late call of an evicted step is not counted again): calls, the status mix,
+    service faults, CPU seconds and the step's slowest call (its id and wall time). Not Prometheus
+    labels: a label per step would grow without end."""
+
+    def __init__(self, kept: int = STEPS_KEPT) -> None:
+        self.kept = kept
+        self._steps: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+
+    def observe(self, step: int, result: ExecResult) -> None:
+        figures = self._steps.get(step)
+        if figures is None:
+            if len(self._steps) >= self.kept and step < min(self._steps):
+                return  # older than every step kept
+            figures = self._steps[step] = {"step": step, "calls": 0, "statuses": {}, "service_faults": 0,
+                                           "cpu_s": 0.0, "slowest": None}
+            if len(self._steps) > self.kept:
+                del self._steps[min(self._steps)]
+        figures["calls"] += 1
+        statuses = figures["statuses"]
+        statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
+        figures["service_faults"] += result.status in SERVICE_FAULTS
+        figures["cpu_s"] += result.cpu_s
+        slowest = figures["slowest"]
+        if result.started and result.status is not Status.session_lost and \
+                (slowest is None or result.wall_s > slowest["wall_s"]):
+            figures["slowest"] = {"id": result.id, "wall_s": result.wall_s, "status": result.status.value}
+
+    def view(self) -> list[dict[str, Any]]:
+        """The steps kept, the highest first (copies)."""
+        return [{**f, "statuses": dict(f["statuses"]), "cpu_s": round(f["cpu_s"], 6)}
+                for _, f in sorted(self._steps.items(), reverse=True)]
 
 
 class Metrics:
@@ -46,15 +87,20 @@ class Metrics:
                               registry=self.registry, multiprocess_mode="livemax")
         self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=self.registry, multiprocess_mode="mostrecent")
                       for key, doc in self.STATS}
+        self.steps = Steps()
         self.per_worker = {key: Gauge(f"codeenv_worker_{key}", doc, ["worker"], registry=self.registry,
                                       multiprocess_mode="mostrecent") for key, doc in self.WORKER_FIGURES}
 
-    def observe(self, results: list[ExecResult]) -> None:
+    def observe(self, results: list[ExecResult], steps: Sequence[int | None] = ()) -> None:
+        """Count `results`; `steps`, where given, is each one's request's `step` label (or None)."""
         for r in results:
             self.calls.labels(r.status.value).inc()
             if r.started:
                 self.queue_s.observe(r.queue_s)
                 self.run_s.observe(r.wall_s)
+        for step, r in zip(steps, results, strict=False):
+            if step is not None:
+                self.steps.observe(step, r)
 
     def exposition(self) -> bytes:
         stats = self.queue.stats()

@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from codeenv.api.service import Gateway, body_schema, merge, parse, split_batch
 from codeenv.api.statuses import NATIVE, RETRY_AFTER_S, answered, answered_batch
@@ -32,6 +32,28 @@ class BatchResponse(BaseModel):
     """One result per request, in request order."""
 
     results: list[ExecResult]
+
+
+class SlowestCall(BaseModel):
+    id: str | None
+    wall_s: float
+    status: str
+
+
+class StepFigures(BaseModel):
+    step: int
+    calls: int
+    statuses: dict[str, int]
+    service_faults: int
+    cpu_s: float
+    slowest: SlowestCall | None = Field(description="the step's call that ran longest (none if none ran)")
+
+
+class StepsView(BaseModel):
+    """Per training step (requests' `step` label), this gateway process's calls; the highest first."""
+
+    steps: list[StepFigures]
+    kept: int = Field(description="how many steps a gateway process keeps")
 
 
 def _json(result: ExecResult, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -123,3 +145,10 @@ def _service(api: APIRouter, gateway: Gateway) -> None:
     @api.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/steps", response_model=StepsView)
+    async def steps() -> StepsView:
+        """The calls that carried a `step` label, per training step: the last 64 steps this gateway
+        process saw (the highest first): calls, status mix, service faults, CPU seconds, the slowest
+        call. No code or output."""
+        return StepsView(steps=metrics.steps.view(), kept=metrics.steps.kept)

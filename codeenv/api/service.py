@@ -178,11 +178,6 @@ class Gateway:
         bind_owner(request, requests)
         if not requests:
             return []
-        refused = self.admit(requests, str(request.base_url))
-        valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
-        self.bound_answer(valid)
-        self.metrics.in_flight.inc(len(requests))
-        started = request.scope.get(ACCEPTED, time.monotonic())
         gone = asyncio.Event()
 
         async def watch_disconnect() -> None:
@@ -193,13 +188,26 @@ class Gateway:
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            results = await self.queue.submit(valid, gone, started) if valid else []
+            return await self.run_calls(requests, str(request.base_url), gone,
+                                        request.scope.get(ACCEPTED, time.monotonic()))
         finally:
             watcher.cancel()
+
+    async def run_calls(self, requests: list[ExecRequest], base_url: str, gone: asyncio.Event,
+                        started: float) -> list[ExecResult]:
+        """answer() for a caller that is no HTTP request of its own (an MCP tool call): `gone` set
+        cancels the unstarted calls; `base_url`: this gateway as the caller reached it."""
+        refused = self.admit(requests, base_url)
+        valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
+        self.bound_answer(valid)
+        self.metrics.in_flight.inc(len(requests))
+        try:
+            results = await self.queue.submit(valid, gone, started) if valid else []
+        finally:
             self.metrics.in_flight.dec(len(requests))
         if refused is not None:
             results = merge(refused, results)
-        self.metrics.observe(results)
+        self.metrics.observe(results, [r.step for r in requests])
         if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
             statuses: dict[str, int] = {}
             for r in results:
@@ -214,6 +222,9 @@ class Gateway:
         once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
         end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
         bind_owner(request, valid)
+        steps: list[int | None] = [None] * len(refused)  # each call's step label, by its index in the batch
+        for index, call in zip([i for i, item in enumerate(refused) if item is None], valid, strict=True):
+            steps[index] = call.step
         more = self.admit(valid, str(request.base_url))
         if more is not None:  # refused here: answered in their place in the batch
             unrefused = [i for i, item in enumerate(refused) if item is None]
@@ -252,6 +263,7 @@ class Gateway:
                 yield f'{{"accepted":{len(refused)}}}\n'
                 for i, item in enumerate(refused):
                     if item is not None:
+                        metrics.observe([item], [steps[i]])
                         yield f'{{"i":{i},"result":{encode(item)}}}\n'
                 while left:
                     i, result = await ended.get()
@@ -260,7 +272,7 @@ class Gateway:
                     answered.add(i)
                     left -= 1
                     metrics.in_flight.dec()
-                    metrics.observe([result])
+                    metrics.observe([result], [steps[i]])
                     statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
                     yield f'{{"i":{i},"result":{encode(result)}}}\n'
             finally:

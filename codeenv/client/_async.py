@@ -118,6 +118,9 @@ class AsyncClient:
         self._closed = False
         #: HTTP requests made so far (a batch counts once).
         self.requests_sent = 0
+        #: The training step every call is labelled with unless it has its own (`step` in the request):
+        #: the service keeps per-step figures (GET /v1/steps). Set it as each step begins.
+        self.step: int | None = None
         self._step = StepFigures(seed)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -175,8 +178,9 @@ class AsyncClient:
         """Run one prepared ExecRequest (an id is added if it has none); `counted`: in step_metrics()."""
         if self._closed:
             raise ClientClosed("the client is closed")
-        if request.id is None:
-            request = request.model_copy(update={"id": uuid.uuid4().hex})
+        if request.id is None or (request.step is None and self.step is not None):
+            request = request.model_copy(update={"id": request.id or uuid.uuid4().hex,
+                                                 "step": self.step if request.step is None else request.step})
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         item = _Item(request, loop.create_future(), now,

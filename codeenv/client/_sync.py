@@ -56,6 +56,15 @@ class Client:
         """AsyncClient.step_metrics."""
         return self._client.step_metrics(prefix)
 
+    @property
+    def step(self) -> int | None:
+        """AsyncClient.step: the training step every call is labelled with unless it has its own."""
+        return self._client.step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._client.step = value
+
     def upload_problem(self, problem: Problem) -> dict[str, Any]:
         """AsyncClient.upload_problem, blocking."""
         return self._call(self._client.upload_problem(problem))
