@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -201,7 +202,8 @@ def router(gateway: Gateway) -> APIRouter:
             session_id = request.headers.get("x-session-id")
             if session_id is None:
                 return JSONResponse({"error": "X-Session-ID header required for ipython sessions"}, 400)
-            return JSONResponse(await _ipython(gateway, request, body, session_id))
+            return JSONResponse(await ipython(gateway, lambda calls: gateway.answer(request, calls),
+                                              nemo_owner(request), body, session_id))
         if body.language not in PYTHON:
             return JSONResponse({"process_status": "error", "stdout": "", "stderr": (
                 f"codeenv does not run language {body.language!r}: it runs ipython, python, python3 and pypy3 "
@@ -256,20 +258,21 @@ def _program(result: ExecResult, body: NemoExecute) -> dict[str, Any]:
     return {"process_status": status, "stdout": _cut(result.stdout, limit), "stderr": _cut(stderr, limit)}
 
 
-async def _ipython(gateway: Gateway, request: Request, body: NemoExecute, session_id: str) -> dict[str, Any]:
-    """One ipython cell in the caller's session `session_id` (made when it has none, or lost it)."""
+async def ipython(gateway: Gateway, run: Callable[[list[ExecRequest]], Awaitable[list[ExecResult]]], who: bytes,
+                  body: NemoExecute, session_id: str) -> dict[str, Any]:
+    """One ipython cell in `who`'s session `session_id` (made when it has none, or lost it); `run`
+    answers calls (the caller's request's). Also the MCP tool `stateful_python_code_exec`."""
     service = gateway.sessions
-    limit = body.max_output_characters
     if service is None:
         return {"process_status": "error", "stdout": "", "stderr": "codeenv runs no sessions here\n",
                 "new_session_created": False}
-    who, name = nemo_owner(request), session_name(session_id)
+    name, limit = session_name(session_id), body.max_output_characters
     code = f"{DRIVER}_codeenv_nemo({body.generated_code!r}, {body.traceback_verbosity!r}, {limit})\n"
     call = ExecRequest(code=code, stdin=body.std_input, limits=_limits(gateway, body), session=name)
     call._owner = who
     new = False
     for _ in range(3):
-        [result] = await gateway.answer(request, [call])
+        [result] = await run([call])
         lost = result.status is Status.session_lost or result.refusal is Refusal.no_session
         if not lost:
             break
