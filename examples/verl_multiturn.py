@@ -8,7 +8,8 @@ first attempt (sometimes buggy, sometimes a runaway loop), then a fix after read
 Every turn goes through `codeenv.integrations.verl.CodeenvTool` exactly as verl's tool agent loop
 calls a tool (create, execute with the trajectory's `agent_data`, release), built by verl's own
 tool registry from `examples/verl_config/codeenv_tool.yaml`. At the end each trajectory's ledger (what
-GRPO-RoC reads) and the tool's metrics are printed.
+GRPO-RoC reads, from the extra fields the tool wrote, as `codeenv.rl.ledgers_from_batch` reads them
+from verl's batch) and the tool's metrics are printed.
 
 It needs verl's tool modules: with verl installed (`pip install verl`), or `--from-wheel`, which
 loads them from verl's PyPI wheel without torch (the test suite's loader, tests/frameworks.py).
@@ -44,9 +45,9 @@ def load_verl(from_wheel: bool) -> None:
         load()
 
 
-async def trajectory(tool: Any, k: int, rng: random.Random) -> list[str]:
+async def trajectory(tool: Any, k: int, rng: random.Random) -> tuple[list[str], dict[str, Any]]:
     n = rng.choice([100, 1000, 10_000, 50_000])
-    agent_data = SimpleNamespace(request_id=f"trajectory-{k}")
+    agent_data = SimpleNamespace(request_id=f"trajectory-{k}", extra_fields={})  # as verl's AgentData
     turns = [rng.choice(FIRST_TRIES), FIX]
     seen = []
     for code in turns:
@@ -59,7 +60,7 @@ async def trajectory(tool: Any, k: int, rng: random.Random) -> list[str]:
         seen.append(f"  [{metrics['status']}, {metrics['cpu_s']:.3f}s CPU] {response.text.strip()[:90]!r}")
         if metrics["status"] == "ok":
             break
-    return seen
+    return seen, agent_data.extra_fields
 
 
 async def main() -> None:
@@ -78,9 +79,11 @@ async def main() -> None:
         f.flush()
         [tool] = initialize_tools_from_config(f.name)
     rng = random.Random(args.seed)
+    from codeenv.rl import ledgers_from_batch
+
     logs = await asyncio.gather(*(trajectory(tool, k, rng) for k in range(args.trajectories)))
-    for k, lines in enumerate(logs):
-        ledger = tool.pop_ledger(f"trajectory-{k}")
+    ledgers = ledgers_from_batch([extra_fields for _, extra_fields in logs])  # as from verl's batch
+    for k, ((lines, _), ledger) in enumerate(zip(logs, ledgers, strict=True)):
         print(f"trajectory {k}: {ledger.calls} calls, {ledger.tool_errors} tool errors, "
               f"{ledger.service_faults} service faults, tool-error ratio {ledger.tool_error_ratio}")
         print("\n".join(lines))

@@ -9,7 +9,6 @@ import re
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from codeenv.bench.services import free_port
+from codeenv.rl import ledgers_from_batch
 from tests.conftest import Served
 from tests.frameworks import load_skyrl_gym, load_verl
 
@@ -44,13 +44,23 @@ def verl() -> None:
     load_verl()
 
 
+class AgentData:
+    """What verl's agent loop passes a tool as `agent_data` (a plain object, so weakly referable)."""
+
+    def __init__(self, request_id: str | None = None) -> None:
+        self.request_id = request_id
+        self.extra_fields: dict[str, Any] = {}
+
+
 def verl_tool(url: str, tmp_path: Path, **config: Any) -> Any:
     """The tool as verl builds it: its registry reading the README's YAML, pointed at `url`."""
     from verl.tools.tool_registry import initialize_tools_from_config
 
     text = EXAMPLE_YAML.read_text().replace("http://127.0.0.1:8000", url)
     for key, value in config.items():
-        text = re.sub(rf"^      {key}:.*$", f"      {key}: {value}", text, count=1, flags=re.MULTILINE)
+        text, found = re.subn(rf"^      {key}:.*$", f"      {key}: {value}", text, count=1, flags=re.MULTILINE)
+        if not found:
+            text = text.replace("    config:\n", f"    config:\n      {key}: {value}\n", 1)
     path = tmp_path / "tools.yaml"
     path.write_text(text)
     [tool] = initialize_tools_from_config(str(path))
@@ -65,9 +75,9 @@ async def test_verl_tool_create_execute_release(verl: None, service: str, tmp_pa
     tool = verl_tool(service, tmp_path)
     assert isinstance(tool, BaseTool) and tool.name == "python"
     assert tool.get_openai_tool_schema().function.parameters.required == ["code"]
-    agent_data = SimpleNamespace(request_id="traj-1")  # what verl's agent loop passes
+    agent_data = AgentData("traj-1")  # what verl's agent loop passes
 
-    async def call(code: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
+    async def call(code: Any, agent_data: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
         # As verl's tool agent loop does it: create, execute, release per tool call.
         instance_id, _ = await tool.create(create_kwargs={})
         try:
@@ -77,17 +87,21 @@ async def test_verl_tool_create_execute_release(verl: None, service: str, tmp_pa
         finally:
             await tool.release(instance_id)
 
-    response, reward, metrics = await call("print(6 * 7)")
+    response, reward, metrics = await call("print(6 * 7)", agent_data)
     assert "42" in response.text and reward == 0.0
     assert metrics["status"] == "ok" and metrics["tool_error"] == 0 and metrics["service_fault"] == 0
     assert isinstance(metrics["cpu_s"], float)
-    response, _, metrics = await call("1 / 0")
+    response, _, metrics = await call("1 / 0", agent_data)
     assert "ZeroDivisionError" in response.text and metrics["tool_error"] == 1
-    response, _, metrics = await call(None)
+    response, _, metrics = await call(None, agent_data)
     assert "code" in response.text and metrics["tool_error"] == 1
-    ledger = tool.pop_ledger("traj-1")
+    # The trajectory's calls so far, where verl carries them to the trainer (a stable column).
+    [ledger] = ledgers_from_batch([agent_data.extra_fields])
     assert (ledger.calls, ledger.tool_errors, ledger.service_faults) == (2, 1, 0)
-    assert tool.pop_ledger("traj-1").calls == 0
+    assert ledger.statuses == {"ok": 1, "error": 1} and ledger.cpu_s > 0
+    assert set(agent_data.extra_fields) == {"extras"}
+    del agent_data  # the trajectory is over: the tool keeps nothing of it
+    assert not tool.code._ledgers
 
 
 @pytest.mark.jail
@@ -100,15 +114,15 @@ async def test_verl_tool_calls_of_many_trajectories_are_batched(verl: None, serv
 
     async def trajectory(k: int) -> str:
         instance_id, _ = await tool.create()
-        response, _, _ = await tool.execute(instance_id, {"code": f"print({k} * 2)"},
-                                            agent_data=SimpleNamespace(request_id=f"t{k}"))
+        response, _, _ = await tool.execute(instance_id, {"code": f"print({k} * 2)"}, agent_data=agent_data[k])
         await tool.release(instance_id)
         return str(response.text)
 
+    agent_data = [AgentData(f"t{k}") for k in range(24)]
     texts = await asyncio.gather(*(trajectory(k) for k in range(24)))
     assert all(str(2 * k) in text for k, text in enumerate(texts))
     assert client.requests_sent - sent < 24  # micro-batched across trajectories
-    assert all(tool.pop_ledger(f"t{k}").calls == 1 for k in range(24))
+    assert [ledger.calls for ledger in ledgers_from_batch([a.extra_fields for a in agent_data])] == [1] * 24
 
 
 @pytest.mark.unit
@@ -116,10 +130,10 @@ async def test_verl_tool_turns_service_faults_into_feedback(verl: None, tmp_path
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     tool = verl_tool(url, tmp_path, client="{retries: 1, backoff_s: 0.01}")
     instance_id, _ = await tool.create()
-    response, _, metrics = await tool.execute(instance_id, {"code": "print(1)"},
-                                              agent_data=SimpleNamespace(request_id="down"))
+    agent_data = AgentData("down")
+    response, _, metrics = await tool.execute(instance_id, {"code": "print(1)"}, agent_data=agent_data)
     assert "service reason" in response.text and metrics["service_fault"] == 1 and metrics["tool_error"] == 0
-    ledger = tool.pop_ledger("down")
+    [ledger] = ledgers_from_batch([agent_data.extra_fields])
     assert (ledger.service_faults, ledger.tool_errors, ledger.tool_error_ratio) == (1, 0, None)
 
 
@@ -214,3 +228,65 @@ async def test_a_stateful_tool_ends_every_trajectorys_session(service: str) -> N
     assert tool.live_sessions == 0 and await live_sessions(service) == before
     with pytest.raises(ValueError, match="stateful"):
         ToolSettings.from_mapping({"url": service, "snapshot": "s"})
+
+
+@pytest.mark.jail
+async def test_verl_stateful_tool_keeps_a_trajectorys_state_and_ends_its_session(
+        verl: None, service: str, tmp_path: Path) -> None:
+    from codeenv.integrations.verl import TRAJECTORY, CodeenvTool
+
+    tool = verl_tool(service, tmp_path, stateful="true")
+    # Without a schema in its config, a stateful tool tells the model its state lasts.
+    assert "persistent session" in CodeenvTool({"url": service, "stateful": True}).tool_schema.function.description
+    before = await live_sessions(service)
+
+    async def call(agent_data: Any, code: str, calls: int = 1) -> list[str]:
+        async def one() -> str:
+            instance_id, _ = await tool.create()
+            response, _, _ = await tool.execute(instance_id, {"code": code}, agent_data=agent_data)
+            await tool.release(instance_id)
+            return str(response.text)
+
+        return await asyncio.gather(*(one() for _ in range(calls)))
+
+    # verl's own loop: a trajectory is its agent_data, and its session ends when that is freed.
+    first, second = AgentData(), AgentData()
+    await call(first, "x = 41")
+    await call(second, "x = 1")
+    assert await call(first, "x += 1\nprint(x)") == ["42"]
+    assert "4" in (await call(second, "import os\nprint(x + 3)"))[0]
+    assert tool.code.live_sessions == 2 and await live_sessions(service) == before + 2
+    del first, second
+    await until(lambda: tool.code.live_sessions == 0)
+    await until_sessions(service, before)
+    # Parallel calls of one trajectory's first turn share the one session they start.
+    third = AgentData()
+    assert len(await call(third, "y = 7", calls=4)) == 4
+    assert tool.code.live_sessions == 1 and await live_sessions(service) == before + 1
+    [ledger] = ledgers_from_batch([third.extra_fields])
+    assert ledger.calls == 4
+    del third
+    await until_sessions(service, before)
+    # codeenv's agent loop names the trajectory: its end ends the session, whatever agent_data is.
+    token = TRAJECTORY.set("trajectory-1")
+    try:
+        await call(AgentData(), "z = 5")
+        assert await call(AgentData(), "print(z)") == ["5"]
+    finally:
+        TRAJECTORY.reset(token)
+    ledger = await tool.end_trajectory("trajectory-1")
+    assert ledger.calls == 2 and await live_sessions(service) == before
+
+
+async def until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not in time"
+        await asyncio.sleep(0.01)
+
+
+async def until_sessions(service: str, count: int, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (now := await live_sessions(service)) != count:
+        assert asyncio.get_running_loop().time() < deadline, f"{now} live sessions, not {count}"
+        await asyncio.sleep(0.05)

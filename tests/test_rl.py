@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from codeenv.models import ExecResult, Status
-from codeenv.rl import Rollout, ToolLedger, grpo_advantages, resample_on_correct
+from codeenv.rl import (
+    Rollout,
+    ToolLedger,
+    grpo_advantages,
+    ledger_of,
+    ledgers_from_batch,
+    resample_on_correct,
+    roc_indices,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -106,3 +114,50 @@ def test_advantages_match_a_hand_computation() -> None:
     assert grpo_advantages(rewards, normalize_std=False) == pytest.approx([r - mean for r in rewards])
     assert grpo_advantages([0.7]) == pytest.approx([0.7 / (1 + 1e-6)])
     assert grpo_advantages([1.0, 1.0]) == pytest.approx([0.0, 0.0])
+
+
+def test_a_ledger_crosses_processes_as_plain_fields() -> None:
+    ledger = rollout(1, ok=2, failed=1, faults=1).ledger
+    fields = ledger.as_dict()
+    assert fields == {"calls": 4, "tool_errors": 1, "service_faults": 1, "run_s": 0.04, "cpu_s": 0.0,
+                      "statuses": {"ok": 2, "error": 1, "overloaded": 1}}
+    assert ToolLedger.from_dict(fields) == ledger and ToolLedger.from_dict(None) == ToolLedger()
+    for bad in ({"calls": -1}, {"calls": "3"}, {"calls": True}, {"run_s": float("nan")}, {"calls": 1, "tool_errors": 2},
+                {"statuses": {"ok": -1}}, {"statuses": ["ok"]}):
+        with pytest.raises(ValueError, match="tool ledger"):
+            ToolLedger.from_dict(bad)
+    with pytest.raises(ValueError, match="mapping"):
+        ToolLedger.from_dict([1])  # type: ignore[arg-type]
+
+
+def test_ledgers_come_from_each_of_verls_batch_shapes() -> None:
+    fields = [{"extras": {"codeenv_tool": rollout(1, ok=1, failed=k).ledger.as_dict()}} for k in range(3)]
+    fields.append({"extras": None, "turn_scores": []})  # a trajectory without a tool call
+    want = [1, 2, 3, 0]
+    extras = np.empty(4, dtype=object)
+    extras[:] = [f["extras"] for f in fields]
+    tool_extra_fields = np.array(fields, dtype=object)
+
+    class Batch:  # what verl's DataProto is to the helper: a non_tensor_batch of object columns
+        non_tensor_batch = {"extras": extras}
+
+    for batch in (Batch(), {"extras": extras}, {"tool_extra_fields": tool_extra_fields}, fields):
+        assert [ledger.calls for ledger in ledgers_from_batch(batch)] == want
+    assert ledger_of({"extras": {"other": 1}}) == ToolLedger() and ledger_of(None) == ToolLedger()
+    with pytest.raises(ValueError, match="extras"):
+        ledgers_from_batch({"uid": np.array(["a"])})
+    with pytest.raises(ValueError, match="not a batch"):
+        ledgers_from_batch(3)
+
+
+def test_roc_over_a_batch_keeps_each_prompts_cleanest_successes() -> None:
+    # Two prompts' samples, interleaved as a trainer's batch may be; a third whose rewards are all equal.
+    batch = [("a", rollout(1, ok=1)), ("b", rollout(0, failed=1)), ("a", rollout(1, ok=1, failed=1)),
+             ("b", rollout(1, ok=1)), ("a", rollout(0, failed=2)), ("b", rollout(1, ok=2, failed=2)),
+             ("c", rollout(1, ok=1)), ("c", rollout(1, ok=1))]
+    uids = np.array([uid for uid, _ in batch], dtype=object)
+    keep = roc_indices(uids, [r.reward for _, r in batch], [r.ledger for _, r in batch], 2,
+                       rng=np.random.default_rng(0))
+    assert keep == [0, 1, 3, 4]  # a: the clean success and the failure; b: likewise; c: dropped
+    with pytest.raises(ValueError, match="length"):
+        roc_indices(uids, [1.0], [], 2, rng=np.random.default_rng(0))

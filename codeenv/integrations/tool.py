@@ -112,7 +112,7 @@ class CodeTool:
     def __init__(self, settings: ToolSettings | None = None) -> None:
         self.settings = settings or ToolSettings()
         self._ledgers: collections.OrderedDict[str, ToolLedger] = collections.OrderedDict()
-        self._sessions: dict[str, AsyncSession] = {}  # stateful: each trajectory's live session
+        self._sessions: dict[str, asyncio.Future[AsyncSession]] = {}  # stateful: each trajectory's live session
 
     def ledger(self, trajectory: str) -> ToolLedger:
         """The ledger of a trajectory (created empty on first use)."""
@@ -164,23 +164,40 @@ class CodeTool:
         return ToolOutcome(text, metrics, result)
 
     async def _cell(self, code: str, trajectory: str | None, ledger: ToolLedger | None) -> ExecResult:
-        """A stateful tool's call: the next cell of the trajectory's session (started on first use)."""
+        """A stateful tool's call: the next cell of the trajectory's session (started on first use;
+        calls of one trajectory made at once share the one session the first of them starts)."""
         if trajectory is None:
             raise ValueError("a stateful tool's call belongs to a trajectory")
-        session = self._sessions.get(trajectory)
-        if session is None:
+        starting = self._sessions.get(trajectory)
+        if starting is None:
             client = _client(self.settings)
             starter = (client.from_snapshot(self.settings.snapshot) if self.settings.snapshot is not None
                        else client.session(profile=self.settings.profile))
-            session = self._sessions[trajectory] = await starter
+            starting = self._sessions[trajectory] = asyncio.ensure_future(starter)
+            starting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, whoever waits
+        try:
+            session = await asyncio.shield(starting)
+        except BaseException:
+            if self._sessions.get(trajectory) is starting and starting.done():
+                del self._sessions[trajectory]  # it did not start: the next call tries again
+            raise
         return await session.run(code, limits=dict(self.settings.limits), ledger=ledger)
 
     async def end(self, trajectory: str) -> None:
         """A trajectory is over: its session (a stateful tool's) is deleted; nothing otherwise."""
-        session = self._sessions.pop(trajectory, None)
-        if session is not None:
-            with contextlib.suppress(ClientError):  # gone already, or the service unreachable: its TTL ends it
-                await session.close()
+        starting = self._sessions.pop(trajectory, None)
+        if starting is None:
+            return
+        try:
+            session = await asyncio.shield(starting)
+        except Exception:  # it never started (its calls were told why)
+            return
+        with contextlib.suppress(ClientError):  # gone already, or the service unreachable: its TTL ends it
+            await session.close()
+
+    def holds_session(self, trajectory: str) -> bool:
+        """Whether a trajectory has a live session (a stateful tool's, started and not ended)."""
+        return trajectory in self._sessions
 
     @property
     def live_sessions(self) -> int:

@@ -14,6 +14,16 @@ Usage::
 """
 
 from codeenv.rl.rewards import code_reward, is_service_fault
-from codeenv.rl.roc import Rollout, ToolLedger, grpo_advantages, resample_on_correct
+from codeenv.rl.roc import (
+    LEDGER_FIELD,
+    Rollout,
+    ToolLedger,
+    grpo_advantages,
+    ledger_of,
+    ledgers_from_batch,
+    resample_on_correct,
+    roc_indices,
+)
 
-__all__ = ["Rollout", "ToolLedger", "code_reward", "grpo_advantages", "is_service_fault", "resample_on_correct"]
+__all__ = ["LEDGER_FIELD", "Rollout", "ToolLedger", "code_reward", "grpo_advantages", "is_service_fault",
+           "ledger_of", "ledgers_from_batch", "resample_on_correct", "roc_indices"]

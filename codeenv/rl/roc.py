@@ -14,7 +14,7 @@ drop or redo it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +32,13 @@ class ToolLedger:
     service_faults: int = 0
     run_s: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
+    cpu_s: float = 0.0
 
     def record(self, result: ExecResult) -> None:
         self.calls += 1
         self.statuses[result.status.value] = self.statuses.get(result.status.value, 0) + 1
         self.run_s += result.wall_s
+        self.cpu_s += result.cpu_s
         if result.status in SERVICE_FAULTS:
             self.service_faults += 1
         elif result.status in PROGRAM_FAILURES:
@@ -47,6 +49,44 @@ class ToolLedger:
         """Failed calls over the calls the model is answerable for; None without any such call."""
         answerable = self.calls - self.service_faults
         return self.tool_errors / answerable if answerable > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers and strings, for a batch column that crosses processes (verl's extra fields)."""
+        return {"calls": self.calls, "tool_errors": self.tool_errors, "service_faults": self.service_faults,
+                "run_s": round(self.run_s, 6), "cpu_s": round(self.cpu_s, 6), "statuses": dict(self.statuses)}
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any] | None) -> ToolLedger:
+        """The ledger `as_dict()` wrote (None or {}: a trajectory without a tool call). A field that is
+        not a count of the right type is a ValueError: a batch that carries something else under the
+        ledger's key must not be read as a clean record."""
+        if not fields:
+            return cls()
+        if not isinstance(fields, Mapping):
+            raise ValueError(f"a tool ledger is a mapping, not {type(fields).__name__}")
+
+        def count(name: str) -> int:
+            value = fields.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"a tool ledger's {name} must be a count, not {value!r}")
+            return int(value)
+
+        def seconds(name: str) -> float:
+            value = fields.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not value >= 0:
+                raise ValueError(f"a tool ledger's {name} must be seconds, not {value!r}")
+            return float(value)
+
+        statuses = fields.get("statuses") or {}
+        if not isinstance(statuses, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in statuses.items()):
+            raise ValueError(f"a tool ledger's statuses must map statuses to counts, not {statuses!r}")
+        ledger = cls(calls=count("calls"), tool_errors=count("tool_errors"), service_faults=count("service_faults"),
+                     run_s=seconds("run_s"), statuses=dict(statuses), cpu_s=seconds("cpu_s"))
+        if ledger.tool_errors + ledger.service_faults > ledger.calls:
+            raise ValueError(f"a tool ledger with more failed calls than calls: {dict(fields)!r}")
+        return ledger
 
 
 @dataclass
@@ -115,3 +155,53 @@ def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool = True, eps
     else:
         mean, std = float(r.mean()), float(r.std(ddof=1))
     return (r - mean) / (std + eps) if normalize_std else r - mean
+
+
+#: Where a trajectory's ledger is in verl's extra fields: `extra_fields["extras"]["codeenv_tool"]`
+#: (`extras` is one of the fields verl gives every trajectory, so the batch's column is the same in
+#: every rollout worker's part). `codeenv.integrations.verl.CodeenvTool` writes it.
+LEDGER_FIELD = "codeenv_tool"
+
+
+def ledger_of(extra_fields: Mapping[str, Any] | None) -> ToolLedger:
+    """A trajectory's ToolLedger from its extra fields: verl's `agent_data.extra_fields`, an entry of a
+    reward worker's `tool_extra_fields`, or the `extra_info` a reward function gets. Empty where the
+    trajectory made no tool call."""
+    extras = (extra_fields or {}).get("extras")
+    return ToolLedger.from_dict(extras.get(LEDGER_FIELD) if isinstance(extras, Mapping) else None)
+
+
+def ledgers_from_batch(batch: Any) -> list[ToolLedger]:
+    """Each trajectory's ToolLedger, in the batch's order. `batch`: a verl `DataProto` or its
+    `non_tensor_batch` (the trainer's rollout batch, whose `extras` column holds them; or a reward
+    worker's, with `tool_extra_fields`), or a sequence of per-trajectory extra-field dicts."""
+    columns = getattr(batch, "non_tensor_batch", batch)
+    if isinstance(columns, Mapping):
+        if "extras" in columns:
+            return [ledger_of({"extras": extras}) for extras in columns["extras"]]
+        if "tool_extra_fields" in columns:
+            return [ledger_of(fields) for fields in columns["tool_extra_fields"]]
+        raise ValueError("the batch has neither an 'extras' nor a 'tool_extra_fields' column: is it verl's "
+                         "rollout batch (0.8 or later)?")
+    if isinstance(columns, Iterable) and not isinstance(columns, str | bytes):
+        return [ledger_of(fields) for fields in columns]
+    raise ValueError(f"not a batch: {type(batch).__name__}")
+
+
+def roc_indices(groups: Sequence[Any], rewards: Sequence[float], ledgers: Sequence[ToolLedger], size: int, *,
+                rng: np.random.Generator, **knobs: Any) -> list[int]:
+    """GRPO-RoC over a whole batch: the indices (into the batch, in its order) to train on. `groups`
+    gives each trajectory's prompt (verl's `non_tensor_batch["uid"]`); each group of trajectories
+    is down-sampled to `size` by `resample_on_correct` (its `knobs`), a dropped group gives none."""
+    if not len(groups) == len(rewards) == len(ledgers):
+        raise ValueError(f"groups, rewards and ledgers differ in length ({len(groups)}, {len(rewards)}, "
+                         f"{len(ledgers)})")
+    members: dict[Any, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    keep: list[int] = []
+    for indices in members.values():
+        chosen = resample_on_correct([Rollout(reward=float(rewards[i]), ledger=ledgers[i]) for i in indices], size,
+                                     rng=rng, **knobs)
+        keep.extend(indices[j] for j in chosen or ())
+    return sorted(keep)
