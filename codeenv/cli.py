@@ -180,6 +180,24 @@ def serve(
 
 
 @app.command()
+def mcp(
+    url: Annotated[str, typer.Option(help="the running service the tools call", envvar="CODEENV_URL")] =
+        "http://127.0.0.1:8000",
+    token: Annotated[str | None, typer.Option(help="its bearer token", envvar="CODEENV_TOKEN")] = None,
+) -> None:
+    """An MCP server on stdin and stdout (for clients that start their tools as processes) whose
+    tools (python, python_session, stateful_python_code_exec) run on the service at --url."""
+    from codeenv.api.mcp import run_stdio
+    from codeenv.client._async import check_base_url
+
+    try:
+        check_base_url(url)
+    except ValueError as exc:
+        raise _fail(exc) from exc
+    asyncio.run(run_stdio(url, token))
+
+
+@app.command()
 def bench(
     target: Annotated[str | None, typer.Option(help="URL of the service, or codeenv, codeenv-redis, naive, "
                                                     "naive-jail to have the bench start one on 127.0.0.1 "

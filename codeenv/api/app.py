@@ -23,7 +23,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from codeenv.api import compat, contract, judging, native, nemo, piston, problems, routers, sessions
+from codeenv.api import compat, contract, judging, mcp, native, nemo, piston, problems, routers, sessions
 from codeenv.api.body import BodyParser, return_large_frees
 from codeenv.api.guard import Guard
 from codeenv.api.metrics import Metrics
@@ -86,6 +86,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     metrics = Metrics(queue)
     parser = BodyParser()  # the Guard's; its helper processes end with the app
     gateway = Gateway(settings, queue, metrics)
+    mcp_endpoints = mcp.McpEndpoints(gateway)
     sessions.redact_access_log()
 
     async def measure_lag() -> None:
@@ -109,7 +110,8 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
         stopping = Stopping(queue, worker)
         restore_signals = drain_on_signals(stopping, settings.shutdown_grace_s)
         try:
-            yield
+            async with mcp_endpoints.running():
+                yield
         finally:
             restore_signals()
             probe.cancel()
@@ -150,6 +152,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 compat.sandbox_fusion_router(gateway), routers.router(gateway), sessions.router(gateway),
                 nemo.router(gateway), piston.router(gateway), problems.router(gateway)):
         app.router.routes.extend(api.routes)
+    app.router.routes.extend(mcp_endpoints.routes())
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
