@@ -28,6 +28,9 @@ from codeenv.settings import GatewaySettings
 ACCEPTED = "codeenv.accepted"
 #: Where Guard leaves a request's parsed JSON body.
 JSON_BODY = "codeenv.json"
+#: The live page's own files, which hold no data (its data, /v1/live, needs the token): open without
+#: it, so that a browser opens the page, which then asks for the token.
+PAGE_PATHS = frozenset({"/", "/live.js", "/live.css"})
 #: The API's documents: with a token they need it too, which a browser does not send.
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
 DOCS_HINT = ("; a browser sends none, so with a token /docs cannot open in it: download the document with "
@@ -69,7 +72,7 @@ class Guard:
         try:
             headers = dict(scope["headers"])
             self._check_browser(headers, scope.get("scheme", "http"))
-            if self.expected is not None:
+            if self.expected is not None and not (scope["path"] in PAGE_PATHS and scope["method"] in ("GET", "HEAD")):
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected) and not (self.ticketed and self.ticketed(scope)):
                     raise ApiError(401, "missing or wrong token: send 'Authorization: Bearer <token>'"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,11 @@ from codeenv.queue.base import CallQueue
 
 #: The training steps a gateway process keeps figures of (the highest; a request's `step` label).
 STEPS_KEPT = 64
+#: Latency buckets 1.5x apart from 1 ms to 60 s: a percentile read off them is within 1.5x.
+LATENCY_BUCKETS = (*(1.5**i / 1000 for i in range(28)), 60.0)
+#: The latency histograms, by name: what the live page and /v1/live read.
+LATENCIES = {"queue": "codeenv_queue_seconds", "run": "codeenv_run_seconds",
+             "overhead": "codeenv_overhead_seconds", "end_to_end": "codeenv_end_to_end_seconds"}
 
 
 class Steps:
@@ -78,9 +84,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=self.registry)
         self.queue_s = Histogram("codeenv_queue_seconds", "Time a call waited for a slot", registry=self.registry,
-                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60))
+                                 buckets=LATENCY_BUCKETS)
         self.run_s = Histogram("codeenv_run_seconds", "Wall time of a call's program", registry=self.registry,
-                               buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+                               buckets=LATENCY_BUCKETS)
+        self.overhead_s = Histogram("codeenv_overhead_seconds", "A call's time in the service that is neither "
+                                    "its wait for a slot nor its program's run", registry=self.registry,
+                                    buckets=LATENCY_BUCKETS)
+        self.end_to_end_s = Histogram("codeenv_end_to_end_seconds", "From a call's arrival at the gateway to its "
+                                      "answer", registry=self.registry, buckets=LATENCY_BUCKETS)
         self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
                                registry=self.registry, multiprocess_mode="livesum")
         self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late a gateway's event loop runs a timer",
@@ -91,13 +102,20 @@ class Metrics:
         self.per_worker = {key: Gauge(f"codeenv_worker_{key}", doc, ["worker"], registry=self.registry,
                                       multiprocess_mode="mostrecent") for key, doc in self.WORKER_FIGURES}
 
-    def observe(self, results: list[ExecResult], steps: Sequence[int | None] = ()) -> None:
-        """Count `results`; `steps`, where given, is each one's request's `step` label (or None)."""
+    def observe(self, results: list[ExecResult], steps: Sequence[int | None] = (),
+                accepted: float | None = None) -> None:
+        """Count `results`; `steps`, where given, is each one's request's `step` label (or None);
+        `accepted`: when (monotonic) the gateway took them, for their end-to-end time and overhead."""
+        now = time.monotonic()
         for r in results:
             self.calls.labels(r.status.value).inc()
             if r.started:
                 self.queue_s.observe(r.queue_s)
                 self.run_s.observe(r.wall_s)
+                if accepted is not None:
+                    total = max(0.0, now - accepted)
+                    self.end_to_end_s.observe(total)
+                    self.overhead_s.observe(max(0.0, total - r.queue_s - r.wall_s))
         for step, r in zip(steps, results, strict=False):
             if step is not None:
                 self.steps.observe(step, r)
@@ -118,6 +136,46 @@ class Metrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
+
+    def live(self) -> dict[str, Any]:
+        """What the live page shows (GET /v1/live), every gateway process's counters and histograms
+        (under --processes N, read from their shared files), the queue's and the workers' figures,
+        this process's steps: cumulative counts, so that a reader's rates are differences."""
+        registry = self.registry
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        calls: dict[str, float] = {}
+        latency: dict[str, dict[str, Any]] = {key: {"le": [], "count": [], "sum": 0.0, "total": 0.0}
+                                              for key in LATENCIES}
+        names = {name: key for key, name in LATENCIES.items()}
+        in_flight, lag = 0.0, 0.0
+        for family in registry.collect():
+            key = names.get(family.name)
+            for sample in family.samples:
+                if sample.name == "codeenv_calls_total":
+                    calls[sample.labels["status"]] = calls.get(sample.labels["status"], 0.0) + sample.value
+                elif key is not None and sample.name.endswith("_bucket"):
+                    latency[key]["le"].append(float(sample.labels["le"]))
+                    latency[key]["count"].append(sample.value)
+                elif key is not None and sample.name.endswith("_sum"):
+                    latency[key]["sum"] += sample.value
+                elif sample.name == "codeenv_in_flight_calls":
+                    in_flight += sample.value
+                elif sample.name == "codeenv_event_loop_lag_seconds":
+                    lag = max(lag, sample.value)
+        for figures in latency.values():  # buckets in order (a process's files may list them apart)
+            merged: dict[float, float] = {}
+            for le, count in zip(figures["le"], figures["count"], strict=True):
+                merged[le] = merged.get(le, 0.0) + count
+            bounds = sorted(le for le in merged if le != float("inf"))
+            figures["le"], figures["count"] = bounds, [merged[le] for le in bounds]
+            figures["total"] = merged.get(float("inf"), 0.0)  # the calls observed, the last bucket's too
+        figures_of = getattr(self.queue, "worker_figures", None)
+        return {"time": time.time(), "calls": calls, "in_flight": in_flight, "loop_lag_s": lag,
+                "latency": latency, "queue": self.queue.stats(),
+                "workers": figures_of() if figures_of is not None else {},
+                "steps": self.steps.view()[:16]}
 
     def process_exit(self) -> None:
         if self.multiprocess:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from importlib.resources import files
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +17,14 @@ from codeenv.errors import ApiError, QueueUnavailable
 from codeenv.models import ExecRequest, ExecResult
 
 logger = logging.getLogger("codeenv.api")
+
+#: The live page's files (codeenv/api/static), read once.
+PAGE = {name: (files("codeenv.api") / "static" / name).read_bytes() for name in ("live.html", "live.js", "live.css")}
+#: What the page may load and do: its own script, style and data, nothing else (no inline code).
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+                                           "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 #: The routes that take a JSON body (Guard reads and parses it).
 JSON_PATHS = frozenset({"/v1/execute", "/v1/execute/batch", "/v1/execute/stream"})
@@ -145,6 +155,26 @@ def _service(api: APIRouter, gateway: Gateway) -> None:
     @api.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/live")
+    async def live() -> dict[str, Any]:
+        """What the live page (`/`) reads: every gateway process's calls by status, in-flight calls, the
+        latency histograms (queue wait, run, overhead, end to end; cumulative bucket counts), the
+        queue's and each worker's figures, the last steps. Counts only: no code, no output."""
+        return metrics.live()
+
+    @api.get("/", include_in_schema=False)
+    async def page() -> Response:
+        """The live page: one self-contained page (its script and style are this service's own)."""
+        return Response(PAGE["live.html"], media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    @api.get("/live.js", include_in_schema=False)
+    async def page_script() -> Response:
+        return Response(PAGE["live.js"], media_type="text/javascript; charset=utf-8", headers=PAGE_HEADERS)
+
+    @api.get("/live.css", include_in_schema=False)
+    async def page_style() -> Response:
+        return Response(PAGE["live.css"], media_type="text/css; charset=utf-8", headers=PAGE_HEADERS)
 
     @api.get("/v1/steps", response_model=StepsView)
     async def steps() -> StepsView:

@@ -207,7 +207,7 @@ class Gateway:
             self.metrics.in_flight.dec(len(requests))
         if refused is not None:
             results = merge(refused, results)
-        self.metrics.observe(results, [r.step for r in requests])
+        self.metrics.observe(results, [r.step for r in requests], started)
         if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
             statuses: dict[str, int] = {}
             for r in results:
@@ -263,7 +263,7 @@ class Gateway:
                 yield f'{{"accepted":{len(refused)}}}\n'
                 for i, item in enumerate(refused):
                     if item is not None:
-                        metrics.observe([item], [steps[i]])
+                        metrics.observe([item], [steps[i]], started)
                         yield f'{{"i":{i},"result":{encode(item)}}}\n'
                 while left:
                     i, result = await ended.get()
@@ -272,7 +272,7 @@ class Gateway:
                     answered.add(i)
                     left -= 1
                     metrics.in_flight.dec()
-                    metrics.observe([result], [steps[i]])
+                    metrics.observe([result], [steps[i]], started)
                     statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
                     yield f'{{"i":{i},"result":{encode(result)}}}\n'
             finally:

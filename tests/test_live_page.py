@@ -1,0 +1,112 @@
+"""The live page at `/`, rendered by headless Chromium (Debian's package) against a real service that
+ran a known number of calls; its data endpoint; its headers; a service with a token."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from codeenv.api.metrics import LATENCY_BUCKETS
+from codeenv.bench.services import Service
+from tests.conftest import start_service
+from tests.test_problems import until_ready
+
+pytestmark = [pytest.mark.jail, pytest.mark.slow]
+
+TOKEN = "a-live-page-token-0123456789"
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.fail("the live page's test needs Debian's chromium (scripts/test installs it)", pytrace=False)
+    return found
+
+
+def render(url: str, tmp_path: Path, screenshot: Path | None = None) -> str:
+    """The page's DOM once its script has read /v1/live a few times (or a screenshot of it)."""
+    what = [f"--screenshot={screenshot}", "--window-size=1100,1250"] if screenshot else ["--dump-dom"]
+    done = subprocess.run([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=6000", *what, url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def text_of(dom: str, element_id: str) -> str:
+    found = re.search(rf'id="{element_id}"[^>]*>(.*?)</', dom, re.DOTALL)
+    assert found is not None, f"no #{element_id} in the page"
+    return html.unescape(found.group(1)).strip()
+
+
+def table(dom: str, element_id: str) -> list[list[str]]:
+    body = re.search(rf'<table id="{element_id}">.*?<tbody>(.*?)</tbody>', dom, re.DOTALL)
+    assert body is not None, f"no table #{element_id}"
+    return [[html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", body.group(1), re.DOTALL)]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def service(tmp_path: Path) -> AsyncIterator[Service]:
+    served = start_service("serve", "--slots", "2", "--log-level", "warning", log=tmp_path / "serve.log",
+                           PATH=os.environ.get("PATH", "/usr/bin"))
+    try:
+        await served.await_ready(120)
+        yield served
+    finally:
+        await served.stop_async(60)
+
+
+async def test_the_page_shows_the_calls_the_service_answered(service: Service, tmp_path: Path) -> None:
+    calls = [{"code": "print(1)", "step": 5}] * 7 + [{"code": "1 / 0", "step": 6}] * 2 + [
+        {"code": "while True: pass", "limits": {"wall_s": 0.5, "cpu_s": 0.5}, "step": 6}]
+    async with httpx.AsyncClient(base_url=service.url, timeout=60) as http:
+        answer = await http.post("/v1/execute/batch", json={"requests": calls})
+        assert [r["status"] for r in answer.json()["results"]] == ["ok"] * 7 + ["error"] * 2 + ["timeout"]
+        live = (await http.get("/v1/live")).json()
+        page = await http.get("/")
+    assert live["calls"] == {"ok": 7, "error": 2, "timeout": 1}
+    run = live["latency"]["run"]
+    assert run["le"] == list(LATENCY_BUCKETS) and run["total"] == 10 and run["count"][-1] <= 10
+    assert all(b / a <= 1.5 + 1e-9 for a, b in zip(LATENCY_BUCKETS, LATENCY_BUCKETS[1:], strict=False))
+    assert [s["step"] for s in live["steps"]] == [6, 5] and live["steps"][0]["slowest"]["status"] == "timeout"
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert "<script>" not in page.text and "http" not in re.sub(r'href="/[^"]*"', "", page.text).split("<footer>")[0]
+
+    dom = await asyncio.to_thread(render, f"{service.url}/", tmp_path)
+    assert text_of(dom, "calls-total") == "10"
+    assert sorted(table(dom, "statuses")) == [["error", "2", "20.0%"], ["ok", "7", "70.0%"], ["timeout", "1", "10.0%"]]
+    assert text_of(dom, "tool-error-ratio") == "0.300" and text_of(dom, "service-faults") == "0"
+    steps = table(dom, "steps")
+    assert [row[:2] for row in steps] == [["6", "3"], ["5", "7"]] and "timeout" in steps[0][4]
+    assert [row[0] for row in table(dom, "latency")] == ["queue wait", "run time", "service overhead", "end to end"]
+    assert "print(1)" not in dom  # counts and statuses, never code or output
+
+
+async def test_with_a_token_the_page_opens_and_asks_for_it(tmp_path: Path) -> None:
+    served = start_service("serve", "--slots", "1", "--token", TOKEN, "--log-level", "warning",
+                           log=tmp_path / "serve.log", PATH=os.environ.get("PATH", "/usr/bin"))
+    try:
+        await until_ready(served.url, TOKEN, 120)
+        async with httpx.AsyncClient(base_url=served.url) as http:
+            assert (await http.get("/")).status_code == 200  # the page holds no data
+            assert (await http.get("/live.js")).status_code == 200
+            assert (await http.get("/v1/live")).status_code == 401  # its data needs the token
+            assert (await http.get("/v1/live", headers={"Authorization": f"Bearer {TOKEN}"})).status_code == 200
+            assert (await http.get("/", headers={"Origin": "http://evil.example"})).status_code == 403
+        dom = await asyncio.to_thread(render, f"{served.url}/", tmp_path)
+        assert re.search(r'<form id="token-form"(?![^>]*hidden)', dom), "the page does not ask for the token"
+        assert text_of(dom, "updated") == "this service needs its token"
+    finally:
+        await served.stop_async(60)
