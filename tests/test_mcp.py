@@ -130,6 +130,16 @@ async def test_streamable_http_under_two_gateway_processes(two_processes: Servic
             ids.append(session_id())
     assert len(set(ids)) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", i or "") for i in ids)
     await until_sessions(two_processes, before)  # each ended with its MCP session (the client's DELETE)
+    # A turn's parallel calls, the session's first: one live session, made once, all of them in it.
+    async with streamable(url, headers) as (read, write, session_id):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            firsts = await asyncio.gather(*(session.call_tool("python_session", {"code": f"v{i} = {i}"})
+                                            for i in range(4)))
+            assert not any(r.isError for r in firsts), [text(r) for r in firsts]
+            assert text(await session.call_tool("python_session", {"code": "v0 + v1 + v2 + v3"})) == "6"
+            assert await live_sessions(two_processes) == before + 1
+    await until_sessions(two_processes, before)
 
 
 async def test_the_token_is_enforced_and_bad_requests_answered(two_processes: Service) -> None:
@@ -141,14 +151,15 @@ async def test_the_token_is_enforced_and_bad_requests_answered(two_processes: Se
         for path in ("/mcp", "/mcp/sse", "/mcp/messages/?session_id=0"):
             assert (await http.post(f"{two_processes.url}{path}", json=hello, headers=accept)).status_code == 401
         assert (await http.get(f"{two_processes.url}/mcp/sse")).status_code == 401
-        with pytest.raises(Exception):  # noqa: B017  # the SDK's client raises its transport's error
-            async with streamable(url) as (read, write, _):
-                async with ClientSession(read, write) as session:
-                    await asyncio.wait_for(session.initialize(), 10)
         answer = await http.post(url, json=hello, headers={**AUTH, **accept})
         assert answer.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", answer.headers["mcp-session-id"])
         assert (await http.get(url, headers=AUTH)).status_code == 405
         assert (await http.delete(url, headers=AUTH)).status_code == 400
+        short = {**AUTH, **accept, "Mcp-Session-Id": "abc"}  # no id the gateway gives: no session's
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                "params": {"name": "python_session", "arguments": {"code": "1"}}}
+        refused = (await http.post(url, json=call, headers=short)).json()["result"]
+        assert refused["isError"] and "Mcp-Session-Id" in refused["content"][0]["text"]
         broken = await http.post(url, content=b"{not json",
                                  headers={**AUTH, **accept, "Content-Type": "application/json"})
         assert 400 <= broken.status_code < 500

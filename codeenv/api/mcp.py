@@ -59,8 +59,9 @@ MCP_PATH, SSE_PATH, MESSAGES_PATH = "/mcp", "/mcp/sse", "/mcp/messages/"
 #: The MCP session (its key) that a tool call belongs to where no header names it: an SSE stream's,
 #: a stdio process's.
 CONNECTION: contextvars.ContextVar[str] = contextvars.ContextVar("codeenv_mcp_connection")
-#: What a client may send as Mcp-Session-Id (the spec: visible ASCII); the gateway issues 32 hex digits.
-SESSION_ID = re.compile(r"[\x21-\x7e]{8,200}")
+#: What a client may send back as Mcp-Session-Id: what the gateway issues (32 hex digits) or another
+#: server's long random id; a short or odd one is no session (whoever holds the id owns the session).
+SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{32,128}")
 #: A python_session's live session is named after its MCP session, apart from other callers' names.
 PREFIX = "mcp:"
 #: The text of a tool's answer, at most (head and tail kept).
@@ -183,6 +184,20 @@ def _owner(key: str) -> bytes:
     return hashlib.sha256(b"codeenv-mcp/" + key.encode()).digest()
 
 
+def _name(key: str) -> str:
+    """The live session that stands for MCP session `key` (a name of this route's, of fixed size)."""
+    return PREFIX + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+_background: set[asyncio.Task[Any]] = set()  # what outlives a cancelled tool call (ending, cleaning up)
+
+
+def _keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
+
+
 def _header_key(request: Any) -> str | None:
     """The MCP session a streamable HTTP request names (its Mcp-Session-Id), if a valid one."""
     headers = getattr(request, "headers", None)
@@ -198,10 +213,19 @@ class GatewayBackend:
 
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
+        self._starting: dict[str, asyncio.Future[None]] = {}  # this process's sessions being made, by key
 
     async def _calls(self, calls: list[ExecRequest], request: Any) -> list[ExecResult]:
+        """`calls` answered; a tool call cancelled meanwhile (its client gone, its stream closed)
+        cancels those not started, as a client hanging up does on the native routes."""
         base_url = str(getattr(request, "base_url", "") or self.gateway.settings.public_url or "http://127.0.0.1/")
-        results: list[ExecResult] = await self.gateway.run_calls(calls, base_url, asyncio.Event(), time.monotonic())
+        gone = asyncio.Event()
+        running = _keep(asyncio.ensure_future(self.gateway.run_calls(calls, base_url, gone, time.monotonic())))
+        try:
+            results: list[ExecResult] = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            gone.set()
+            raise
         return results
 
     async def run(self, code: str, stdin: str, request: Any) -> ExecResult:
@@ -213,29 +237,47 @@ class GatewayBackend:
         if service is None:
             return ExecResult(status=Status.rejected, refusal=Refusal.invalid, started=False,
                               message="this service runs no sessions"), False
-        who, name = _owner(key), PREFIX + key
+        who, name = _owner(key), _name(key)
         call = ExecRequest(code=code, session=name, display_last=True)
         call._owner = who
         renewed = False
-        for _ in range(3):
+        for attempt in range(4):
             [result] = await self._calls([call], request)
             if result.status is not Status.session_lost and result.refusal is not Refusal.no_session:
                 return result, renewed
             renewed = renewed or result.status is Status.session_lost
-            settings = self.gateway.settings
-            try:
-                await service.create(settings.session_profile, None, settings.session_idle_ttl_s, who, name)
-            except SessionError as exc:
-                if exc.kind is not SessionErrorKind.conflict:  # made meanwhile by a concurrent call: run there
-                    return _failed(f"a session could not start: {exc}"), renewed
-            except (InvalidRequest, SandboxError) as exc:
-                return _failed(f"a session could not start: {exc}"), renewed
+            failed = await self._start(key, who, name, attempt)
+            if failed is not None:
+                return failed, renewed
         return result, renewed
+
+    async def _start(self, key: str, who: bytes, name: str, attempt: int) -> ExecResult | None:
+        """Make MCP session `key`'s live session (once in this process however many calls ask at
+        once); a failure's result, or None. A session another process makes meanwhile (conflict)
+        is waited for a moment, then used."""
+        starting = self._starting.get(key)
+        if starting is not None:
+            await asyncio.shield(starting)
+            return None
+        starting = self._starting[key] = asyncio.get_running_loop().create_future()
+        settings = self.gateway.settings
+        try:
+            await self.gateway.sessions.create(settings.session_profile, None, settings.session_idle_ttl_s, who, name)
+        except SessionError as exc:
+            if exc.kind is not SessionErrorKind.conflict:
+                return _failed(f"a session could not start: {exc}")
+            await asyncio.sleep(0.1 * (attempt + 1))  # made meanwhile elsewhere: it is ready soon
+        except (InvalidRequest, SandboxError) as exc:
+            return _failed(f"a session could not start: {exc}")
+        finally:
+            del self._starting[key]
+            starting.set_result(None)
+        return None
 
     async def end(self, key: str) -> None:
         if self.gateway.sessions is not None:
             with contextlib.suppress(SessionError):  # none was made, or it ended already
-                await self.gateway.sessions.delete(PREFIX + key, _owner(key))
+                await self.gateway.sessions.delete(_name(key), _owner(key))
 
     async def nemo(self, session_id: str, code: str, timeout: float, request: Any) -> dict[str, str]:
         from codeenv.api import nemo
@@ -309,7 +351,8 @@ class McpEndpoints:
                 await self.server.run(read, write, self.server.create_initialization_options())
         finally:
             CONNECTION.reset(token)
-            await self.backend.end(key)
+            # Not undone by a cancellation (a server shutting down): the delete goes on regardless.
+            await asyncio.shield(_keep(asyncio.ensure_future(self.backend.end(key))))
 
     def routes(self) -> list[BaseRoute]:
         """/mcp, /mcp/sse and /mcp/messages/ (ASGI apps, not request handlers: the SDK answers)."""
@@ -345,7 +388,7 @@ class RemoteBackend:
         self.client = AsyncClient(url, token=token)
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=httpx.Timeout(None, connect=10))
-        self.sessions: dict[str, Any] = {}
+        self.sessions: dict[str, asyncio.Future[Any]] = {}  # by key: its session, made once
 
     async def run(self, code: str, stdin: str, request: Any) -> ExecResult:
         try:
@@ -356,23 +399,28 @@ class RemoteBackend:
     async def cell(self, key: str, code: str, request: Any) -> tuple[ExecResult, bool]:
         renewed = False
         for _ in range(2):
+            starting = self.sessions.get(key)
+            if starting is None:
+                starting = self.sessions[key] = _keep(asyncio.ensure_future(self.client.session()))
+                starting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, whoever waits
             try:
-                session = self.sessions.get(key)
-                if session is None:
-                    session = self.sessions[key] = await self.client.session()
+                session = await asyncio.shield(starting)
                 return await session.run(code), renewed
             except SessionLost:
-                self.sessions.pop(key, None)
+                if self.sessions.get(key) is starting:
+                    del self.sessions[key]
                 renewed = True
             except ClientError as exc:
+                if self.sessions.get(key) is starting and starting.done() and starting.exception() is not None:
+                    del self.sessions[key]  # it never started: the next call tries again
                 return _failed(f"the service could not be reached: {exc}"), renewed
         return _failed("the session was lost twice in a row"), renewed
 
     async def end(self, key: str) -> None:
-        session = self.sessions.pop(key, None)
-        if session is not None:
-            with contextlib.suppress(ClientError):
-                await session.close()
+        starting = self.sessions.pop(key, None)
+        if starting is not None:
+            with contextlib.suppress(Exception):  # it never started, or it is gone already
+                await (await asyncio.shield(starting)).close()
 
     async def nemo(self, session_id: str, code: str, timeout: float, request: Any) -> dict[str, str]:
         try:

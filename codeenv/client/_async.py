@@ -28,6 +28,7 @@ from codeenv.client._step import StepFigures
 from codeenv.client.errors import ClientClosed, RequestRejected, ServerError, TransportError
 from codeenv.models import (
     SESSION_KEY_HEADER,
+    STEP_MAX,
     ExecRequest,
     ExecResult,
     JudgeRequest,
@@ -118,9 +119,7 @@ class AsyncClient:
         self._closed = False
         #: HTTP requests made so far (a batch counts once).
         self.requests_sent = 0
-        #: The training step every call is labelled with unless it has its own (`step` in the request):
-        #: the service keeps per-step figures (GET /v1/steps). Set it as each step begins.
-        self.step: int | None = None
+        self._label: int | None = None
         self._step = StepFigures(seed)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -192,6 +191,18 @@ class AsyncClient:
         if ledger is not None:
             ledger.record(result)
         return result
+
+    @property
+    def step(self) -> int | None:
+        """The training step every call is labelled with unless it has its own (`step` in the
+        request): the service keeps per-step figures (GET /v1/steps). Set it as each step begins."""
+        return self._label
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= STEP_MAX):
+            raise ValueError(f"a step is a count from 0 to {STEP_MAX}, not {value!r}")
+        self._label = value
 
     def step_metrics(self, prefix: str = "codeenv/") -> dict[str, float]:
         """The figures of this client's calls (judged submissions and session cells included) since

@@ -5,11 +5,11 @@ verl calls a tool once per tool call and never tells it that a trajectory is ove
 trajectories a step, TTL alone fills the service's sessions within a few steps.
 `CodeenvToolAgentLoop` is verl's `ToolAgentLoop` (0.8 to 0.9.1) whose `run()` marks the trajectory
 its tool calls belong to and, when it returns or fails, deletes that trajectory's session in every
-`CodeenvTool` it has. Registered as `codeenv_tool_agent`; tell verl so with
-`examples/verl_config/codeenv_agent_loop.yaml`::
+`CodeenvTool` it has. `examples/verl_config/codeenv_agent_loop.yaml` registers it with verl as
+`tool_agent` (in place of verl's own, so datasets that name `tool_agent` get it) and as
+`codeenv_tool_agent`::
 
     actor_rollout_ref.rollout.agent.agent_loop_config_path=examples/verl_config/codeenv_agent_loop.yaml
-    actor_rollout_ref.rollout.agent.default_agent_loop=codeenv_tool_agent
 
 Importing this module imports verl's agent loop (torch, ray, transformers): only a rollout worker does.
 """

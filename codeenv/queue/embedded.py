@@ -326,6 +326,8 @@ def from_settings(settings: GatewaySettings) -> EmbeddedQueue:
 
 def fingerprint(request: ExecRequest) -> str:
     """What makes two submissions the same call."""
-    # Not the deadline: a client re-sending a call after a lost connection sends what is left of it.
-    canonical = json.dumps(request.model_dump(exclude={"id", "deadline_s"}), sort_keys=True, ensure_ascii=True)
+    # Not the deadline: a client re-sending a call after a lost connection sends what is left of it;
+    # not the step label, which is no part of the program.
+    canonical = json.dumps(request.model_dump(exclude={"id", "deadline_s", "step"}), sort_keys=True,
+                           ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
