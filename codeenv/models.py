@@ -961,19 +961,28 @@ class JudgeResult(BaseModel):
         judged = result.judge
         common: dict[str, Any] = {"id": result.id, "queue_s": result.queue_s, "wall_s": result.wall_s,
                                   "worker": result.worker, "message": result.message, "refusal": result.refusal}
-        if result.status in (Status.rejected, Status.overloaded, Status.internal_error) or judged is None:
-            status = {Status.rejected: JudgeStatus.rejected, Status.overloaded: JudgeStatus.overloaded}.get(
-                result.status, JudgeStatus.internal_error)
+        status = judge_status(result)
+        if judged is None or result.status in _NOT_JUDGED:
             if judged is None and status is JudgeStatus.internal_error and not result.message:
                 common["message"] = f"the call ended {result.status.value} without judging"
             return cls(status=status, **common)
-        if judged.compile is not None and judged.compile.status == "error":
-            status = JudgeStatus.compile_error
-        elif any(t.status is TestStatus.internal_error for t in judged.tests):
-            status = JudgeStatus.internal_error
-        elif judged.passed == judged.total:
-            status = JudgeStatus.passed
-        else:
-            status = JudgeStatus.failed
         return cls(status=status, passed=judged.passed, total=judged.total, tests=judged.tests,
                    compile=judged.compile, subtasks=judged.subtasks, score=judged.score, **common)
+
+
+#: A judged call's statuses that say it was not judged (the service's doing).
+_NOT_JUDGED = frozenset({Status.rejected, Status.overloaded, Status.internal_error})
+
+
+def judge_status(result: ExecResult) -> JudgeStatus:
+    """A judged call's verdict: the service's faults, else a compile error, a test's internal error,
+    passed (every test) or failed."""
+    judged = result.judge
+    if judged is None or result.status in _NOT_JUDGED:
+        return {Status.rejected: JudgeStatus.rejected, Status.overloaded: JudgeStatus.overloaded}.get(
+            result.status, JudgeStatus.internal_error)
+    if judged.compile is not None and judged.compile.status == "error":
+        return JudgeStatus.compile_error
+    if any(t.status is TestStatus.internal_error for t in judged.tests):
+        return JudgeStatus.internal_error
+    return JudgeStatus.passed if judged.passed == judged.total else JudgeStatus.failed

@@ -194,6 +194,14 @@ async def test_with_redis_sessions_live_on_their_worker_and_die_with_it(redis_se
         assert fork.status_code == 201 and _tag(fork.json()["session_id"]) == _tag(sessions[0]), fork.text
         listed = {s["session_id"] for s in (await ask(url, "GET", "/v1/sessions")).json()["sessions"]}
         assert listed == {*sessions, fork.json()["session_id"]}
+        # Each worker's figures reach the gateway in its heartbeat: /metrics and the live page's data.
+        await per_worker(url, "sessions_created", lambda v: sorted(v.values()) == sorted(
+            [by_worker[_tag(sessions[0])] + 1, by_worker[next(t for t in by_worker if t != _tag(sessions[0]))]]))
+        assert list((await per_worker(url, "up", lambda v: len(v) == 2)).values()) == [1, 1]
+        seen = (await ask(url, "GET", "/v1/live")).json()["workers"]
+        assert len(seen) == 2 and all(w["slots"] == 1 and w["up"] == 1 and w["calls_run"] >= 1 and
+                                      0 <= w["heartbeat_age_s"] <= DEAD_AFTER_S and w["memory_bytes"] > 0
+                                      for w in seen.values()), seen
         again = {"code": "n += 100; n", "cell_id": "the-same-cell"}  # a retried cell runs once, whoever takes it
         first = (await ask(url, "POST", f"/v1/sessions/{sessions[1]}/execute", again)).json()
         second = (await ask(url, "POST", f"/v1/sessions/{sessions[1]}/execute", again)).json()

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-from codeenv.models import SERVICE_FAULTS, ExecResult, Status
+from codeenv.models import SERVICE_FAULTS, ExecRequest, ExecResult, Status, judge_status
 from codeenv.queue.base import CallQueue
 
 #: The training steps a gateway process keeps figures of (the highest; a request's `step` label).
@@ -20,6 +20,20 @@ LATENCY_BUCKETS = (*(1.5**i / 1000 for i in range(28)), 60.0)
 #: The latency histograms, by name: what the live page and /v1/live read.
 LATENCIES = {"queue": "codeenv_queue_seconds", "run": "codeenv_run_seconds",
              "overhead": "codeenv_overhead_seconds", "end_to_end": "codeenv_end_to_end_seconds"}
+#: The `api` label of a session cell sent to /v1/execute (its path says native).
+SESSION_API = "session"
+#: The `api` label of a request, by its path's start (the first that matches; else "other").
+API_OF = (("/v1/sessions", SESSION_API), ("/v1/judge", "judge"), ("/v1/", "native"), ("/run_code", "sandbox_fusion"),
+          ("/run", "code_judge"), ("/judge", "code_judge"), ("/execute_batch", "routers"),
+          ("/morph/", "routers"), ("/execute", "nemo"), ("/api/v2/", "piston"), ("/mcp", "mcp"))
+
+
+def api_of(path: str) -> str:
+    """The `api` label of a request to `path`."""
+    for start, api in API_OF:
+        if path.startswith(start):
+            return api
+    return "other"
 
 
 class Steps:
@@ -70,55 +84,93 @@ class Metrics:
              ("workers", "Live workers behind this gateway"),
              ("calls_run", "Calls the workers have run"),
              ("sessions", "Live sessions on the workers"))
-    #: Per worker (label `worker`), where the queue reports them (`CallQueue.worker_figures`).
-    WORKER_FIGURES = (("sessions", "Live sessions of a worker"),
-                      ("session_room", "More sessions a worker takes now (0 while it drains)"),
-                      ("session_memory_bytes", "Memory of a worker's session families"),
-                      ("cells", "Cells a worker has run since it started (rate(): cells/s)"),
-                      ("sessions_lost", "Sessions a worker lost (their processes died) since it started"),
-                      ("sessions_evicted", "Sessions a worker evicted (short of memory) since it started"))
+    #: Per worker (label `worker`), where the queue reports them (`CallQueue.worker_figures`): the key
+    #: in a worker's figures, the metric's name after `codeenv_worker_`, and its help.
+    WORKER_FIGURES = (
+        ("up", "up", "1 while a worker can run calls (a zygote is alive), else 0"),
+        ("slots", "slots", "Slots of a worker"),
+        ("free_slots", "free_slots", "Slots of a worker free right now"),
+        ("slot_restarts", "slot_restarts", "Jails a worker recycled since it started"),
+        ("calls_run", "calls_run", "Calls and cells a worker has run since it started"),
+        ("oom_kills", "oom_kills", "Calls and cells the kernel's OOM killer ended (status memory) since start"),
+        ("seccomp_kills", "seccomp_kills", "Calls and cells the seccomp filter ended (SIGSYS) since start"),
+        ("memory_bytes", "memory_bytes", "Memory a worker's jails and sessions use now"),
+        ("memory_allowance_bytes", "memory_allowance_bytes", "Memory the worker may use (its cgroup's limit or "
+                                                             "the host's), as its sizing rule read it"),
+        ("memory_needed_bytes", "memory_needed_bytes", "The sizing rule's worst case: slots x (zygotes + the "
+                                                       "largest call)"),
+        ("heartbeat_age_s", "heartbeat_age_seconds", "Since a worker's last heartbeat (0 in embedded mode)"),
+        ("sessions", "sessions", "Live sessions of a worker"),
+        ("session_room", "session_room", "More sessions a worker takes now (0 while it drains)"),
+        ("session_memory_bytes", "session_memory_bytes", "Memory of a worker's session families"),
+        ("cells", "cells", "Cells a worker has run since it started (rate(): cells/s)"),
+        ("sessions_created", "sessions_created", "Sessions a worker created (forks too) since it started"),
+        ("rollbacks", "rollbacks", "Cells a worker rolled back (stopped by a limit) since it started"),
+        ("sessions_lost", "sessions_lost", "Sessions a worker lost (their processes died) since it started"),
+        ("sessions_evicted", "sessions_evicted", "Sessions a worker evicted (short of memory) since it started"))
 
     def __init__(self, queue: CallQueue) -> None:
         self.queue = queue
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
-        self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=self.registry)
-        self.queue_s = Histogram("codeenv_queue_seconds", "Time a call waited for a slot", registry=self.registry,
-                                 buckets=LATENCY_BUCKETS)
-        self.run_s = Histogram("codeenv_run_seconds", "Wall time of a call's program", registry=self.registry,
-                               buckets=LATENCY_BUCKETS)
-        self.overhead_s = Histogram("codeenv_overhead_seconds", "A call's time in the service that is neither "
-                                    "its wait for a slot nor its program's run", registry=self.registry,
-                                    buckets=LATENCY_BUCKETS)
-        self.end_to_end_s = Histogram("codeenv_end_to_end_seconds", "From a call's arrival at the gateway to its "
-                                      "answer", registry=self.registry, buckets=LATENCY_BUCKETS)
+        registry = self.registry
+        self.calls = Counter("codeenv_calls", "Calls answered, by status", ["status"], registry=registry)
+        self.accepted = Counter("codeenv_calls_accepted", "Calls the gateway took (answered or not yet)",
+                                registry=registry)
+        docs = {"queue": "Time a call waited for a slot", "run": "Wall time of a call's program",
+                "overhead": "A call's time in the service that is neither its wait for a slot nor its program's run",
+                "end_to_end": "From a call's arrival at the gateway to its answer"}
+        self.latency = {key: Histogram(name, f"{docs[key]}, by API and profile", ["api", "profile"],
+                                       registry=registry, buckets=LATENCY_BUCKETS)
+                        for key, name in LATENCIES.items()}
+        self._latency_of: dict[tuple[str, str], list[Histogram]] = {}  # (api, profile) -> their children
+        self.judged = Counter("codeenv_judge_submissions", "Judged submissions, by verdict", ["verdict"],
+                              registry=registry)
+        self.tests = Counter("codeenv_judge_tests", "Tests of judged submissions, by status", ["status"],
+                             registry=registry)
         self.in_flight = Gauge("codeenv_in_flight_calls", "Calls accepted and not yet answered",
-                               registry=self.registry, multiprocess_mode="livesum")
+                               registry=registry, multiprocess_mode="livesum")
         self.loop_lag = Gauge("codeenv_event_loop_lag_seconds", "How late a gateway's event loop runs a timer",
-                              registry=self.registry, multiprocess_mode="livemax")
-        self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=self.registry, multiprocess_mode="mostrecent")
+                              registry=registry, multiprocess_mode="livemax")
+        self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=registry, multiprocess_mode="mostrecent")
                       for key, doc in self.STATS}
         self.steps = Steps()
-        self.per_worker = {key: Gauge(f"codeenv_worker_{key}", doc, ["worker"], registry=self.registry,
-                                      multiprocess_mode="mostrecent") for key, doc in self.WORKER_FIGURES}
+        self.per_worker = {key: Gauge(f"codeenv_worker_{name}", doc, ["worker"], registry=registry,
+                                      multiprocess_mode="mostrecent") for key, name, doc in self.WORKER_FIGURES}
 
-    def observe(self, results: list[ExecResult], steps: Sequence[int | None] = (),
-                accepted: float | None = None) -> None:
-        """Count `results`; `steps`, where given, is each one's request's `step` label (or None);
-        `accepted`: when (monotonic) the gateway took them, for their end-to-end time and overhead."""
+    def take(self, count: int) -> None:
+        """`count` calls taken: in flight until they are answered (the caller decrements in_flight)."""
+        self.accepted.inc(count)
+        self.in_flight.inc(count)
+
+    def observe(self, results: Sequence[ExecResult], calls: Sequence[ExecRequest | None] = (),
+                accepted: float | None = None, api: str = "native") -> None:
+        """Count `results`; `calls`, where given, are their requests (in order: a `step` label, a
+        session cell); `accepted`: when (monotonic) the gateway took them, for their end-to-end time
+        and overhead; `api`: the API they came by (API_OF names them)."""
         now = time.monotonic()
-        for r in results:
+        for index, r in enumerate(results):
             self.calls.labels(r.status.value).inc()
+            call = calls[index] if index < len(calls) else None
             if r.started:
-                self.queue_s.observe(r.queue_s)
-                self.run_s.observe(r.wall_s)
+                kind = SESSION_API if api == "native" and call is not None and call.session is not None else api
+                labels = (kind, r.profile or "")
+                children = self._latency_of.get(labels)
+                if children is None:
+                    children = self._latency_of[labels] = [h.labels(*labels) for h in self.latency.values()]
+                queue_s, run_s, overhead_s, end_to_end_s = children
+                queue_s.observe(r.queue_s)
+                run_s.observe(r.wall_s)
                 if accepted is not None:
                     total = max(0.0, now - accepted)
-                    self.end_to_end_s.observe(total)
-                    self.overhead_s.observe(max(0.0, total - r.queue_s - r.wall_s))
-        for step, r in zip(steps, results, strict=False):
-            if step is not None:
-                self.steps.observe(step, r)
+                    end_to_end_s.observe(total)
+                    overhead_s.observe(max(0.0, total - r.queue_s - r.wall_s))
+            if r.judge is not None:
+                self.judged.labels(judge_status(r).value).inc()
+                for test in r.judge.tests:
+                    self.tests.labels(test.status.value).inc()
+            if call is not None and call.step is not None:
+                self.steps.observe(call.step, r)
 
     def exposition(self) -> bytes:
         stats = self.queue.stats()
@@ -131,52 +183,73 @@ class Metrics:
             for worker, values in workers.items():
                 if key in values:
                     gauge.labels(worker).set(values[key])
+        return generate_latest(self._collected())
+
+    def _collected(self) -> CollectorRegistry:
+        """This process's registry, or under --processes N every process's (their shared files)."""
         if not self.multiprocess:
-            return generate_latest(self.registry)
+            return self.registry
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
+        return registry
 
     def live(self) -> dict[str, Any]:
         """What the live page shows (GET /v1/live), every gateway process's counters and histograms
         (under --processes N, read from their shared files), the queue's and the workers' figures,
-        this process's steps: cumulative counts, so that a reader's rates are differences."""
-        registry = self.registry
-        if self.multiprocess:
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        calls: dict[str, float] = {}
-        latency: dict[str, dict[str, Any]] = {key: {"le": [], "count": [], "sum": 0.0, "total": 0.0}
-                                              for key in LATENCIES}
+        this process's steps: cumulative counts, so that a reader's rates are differences. Latency:
+        all calls, by API and by profile, each a histogram (bucket bounds, cumulative counts, total)."""
         names = {name: key for key, name in LATENCIES.items()}
-        in_flight, lag = 0.0, 0.0
-        for family in registry.collect():
+        counters: dict[str, dict[str, float]] = {"codeenv_calls_total": {}, "codeenv_judge_submissions_total": {},
+                                                 "codeenv_judge_tests_total": {}}
+        label_of = {"codeenv_calls_total": "status", "codeenv_judge_submissions_total": "verdict",
+                    "codeenv_judge_tests_total": "status"}
+        buckets: dict[tuple[str, str, str], dict[float, float]] = {}  # (latency, api, profile) -> le -> count
+        in_flight, lag, accepted = 0.0, 0.0, 0.0
+        for family in self._collected().collect():
             key = names.get(family.name)
             for sample in family.samples:
-                if sample.name == "codeenv_calls_total":
-                    calls[sample.labels["status"]] = calls.get(sample.labels["status"], 0.0) + sample.value
-                elif key is not None and sample.name.endswith("_bucket"):
-                    latency[key]["le"].append(float(sample.labels["le"]))
-                    latency[key]["count"].append(sample.value)
-                elif key is not None and sample.name.endswith("_sum"):
-                    latency[key]["sum"] += sample.value
-                elif sample.name == "codeenv_in_flight_calls":
+                name, labels = sample.name, sample.labels
+                if name in counters:
+                    by = counters[name]
+                    by[labels[label_of[name]]] = by.get(labels[label_of[name]], 0.0) + sample.value
+                elif key is not None and name.endswith("_bucket"):
+                    merged = buckets.setdefault((key, labels["api"], labels["profile"]), {})
+                    le = float(labels["le"])
+                    merged[le] = merged.get(le, 0.0) + sample.value
+                elif name == "codeenv_calls_accepted_total":
+                    accepted += sample.value
+                elif name == "codeenv_in_flight_calls":
                     in_flight += sample.value
-                elif sample.name == "codeenv_event_loop_lag_seconds":
+                elif name == "codeenv_event_loop_lag_seconds":
                     lag = max(lag, sample.value)
-        for figures in latency.values():  # buckets in order (a process's files may list them apart)
-            merged: dict[float, float] = {}
-            for le, count in zip(figures["le"], figures["count"], strict=True):
-                merged[le] = merged.get(le, 0.0) + count
-            bounds = sorted(le for le in merged if le != float("inf"))
-            figures["le"], figures["count"] = bounds, [merged[le] for le in bounds]
-            figures["total"] = merged.get(float("inf"), 0.0)  # the calls observed, the last bucket's too
+        latency = {key: _histogram() for key in LATENCIES}
+        by_api: dict[str, dict[str, dict[str, Any]]] = {}
+        by_profile: dict[str, dict[str, dict[str, Any]]] = {}
+        for (key, api, profile), merged in sorted(buckets.items()):
+            for target in (latency[key], by_api.setdefault(api, {}).setdefault(key, _histogram()),
+                           by_profile.setdefault(profile, {}).setdefault(key, _histogram())):
+                _add(target, merged)
         figures_of = getattr(self.queue, "worker_figures", None)
-        return {"time": time.time(), "calls": calls, "in_flight": in_flight, "loop_lag_s": lag,
-                "latency": latency, "queue": self.queue.stats(),
-                "workers": figures_of() if figures_of is not None else {},
+        return {"time": time.time(), "calls": counters["codeenv_calls_total"], "accepted": accepted,
+                "in_flight": in_flight, "loop_lag_s": lag, "latency": latency, "by_api": by_api,
+                "by_profile": by_profile, "judge": {"verdicts": counters["codeenv_judge_submissions_total"],
+                                                    "tests": counters["codeenv_judge_tests_total"]},
+                "queue": self.queue.stats(), "workers": figures_of() if figures_of is not None else {},
                 "steps": self.steps.view()[:16]}
 
     def process_exit(self) -> None:
         if self.multiprocess:
             multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
+def _histogram() -> dict[str, Any]:
+    return {"le": [], "count": [], "total": 0.0}
+
+
+def _add(histogram: dict[str, Any], merged: dict[float, float]) -> None:
+    """Add one label set's buckets (le -> cumulative count) to `histogram` (bounds in order)."""
+    bounds = sorted(le for le in merged if le != float("inf"))
+    if not histogram["le"]:
+        histogram["le"], histogram["count"] = bounds, [0.0] * len(bounds)
+    histogram["count"] = [c + merged.get(le, 0.0) for c, le in zip(histogram["count"], histogram["le"], strict=True)]
+    histogram["total"] += merged.get(float("inf"), 0.0)  # the calls observed, the last bucket's too

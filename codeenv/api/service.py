@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from codeenv.admission import answer_bytes, check
 from codeenv.api.contract import SESSION_KEY_PATHS
 from codeenv.api.guard import ACCEPTED, JSON_BODY
-from codeenv.api.metrics import Metrics
+from codeenv.api.metrics import Metrics, api_of
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Refusal, Status
 from codeenv.problems import ProblemStore
@@ -189,25 +189,26 @@ class Gateway:
         watcher = asyncio.create_task(watch_disconnect())
         try:
             return await self.run_calls(requests, str(request.base_url), gone,
-                                        request.scope.get(ACCEPTED, time.monotonic()))
+                                        request.scope.get(ACCEPTED, time.monotonic()), api_of(request.url.path))
         finally:
             watcher.cancel()
 
     async def run_calls(self, requests: list[ExecRequest], base_url: str, gone: asyncio.Event,
-                        started: float) -> list[ExecResult]:
+                        started: float, api: str) -> list[ExecResult]:
         """answer() for a caller that is no HTTP request of its own (an MCP tool call): `gone` set
-        cancels the unstarted calls; `base_url`: this gateway as the caller reached it."""
+        cancels the unstarted calls; `base_url`: this gateway as the caller reached it; `api`: the
+        metrics' label of the API they came by."""
         refused = self.admit(requests, base_url)
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
         self.bound_answer(valid)
-        self.metrics.in_flight.inc(len(requests))
+        self.metrics.take(len(requests))
         try:
             results = await self.queue.submit(valid, gone, started) if valid else []
         finally:
             self.metrics.in_flight.dec(len(requests))
         if refused is not None:
             results = merge(refused, results)
-        self.metrics.observe(results, [r.step for r in requests], started)
+        self.metrics.observe(results, requests, started, api)
         if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
             statuses: dict[str, int] = {}
             for r in results:
@@ -222,9 +223,10 @@ class Gateway:
         once the calls are taken, then `{"i": index, "result": ...}` per call in the order calls
         end (`encode` gives the result's JSON). A client that hangs up cancels its unstarted calls."""
         bind_owner(request, valid)
-        steps: list[int | None] = [None] * len(refused)  # each call's step label, by its index in the batch
+        sent: list[ExecRequest | None] = [None] * len(refused)  # each call by its index in the batch
         for index, call in zip([i for i, item in enumerate(refused) if item is None], valid, strict=True):
-            steps[index] = call.step
+            sent[index] = call
+        api = api_of(request.url.path)
         more = self.admit(valid, str(request.base_url))
         if more is not None:  # refused here: answered in their place in the batch
             unrefused = [i for i, item in enumerate(refused) if item is None]
@@ -241,6 +243,7 @@ class Gateway:
         async def lines() -> AsyncIterator[str]:
             statuses: dict[str, int] = {}
             ended: asyncio.Queue[tuple[int, ExecResult]] = asyncio.Queue()
+            metrics.accepted.inc(len(refused))
             metrics.in_flight.inc(len(valid))
             left = len(valid)
             submitted = asyncio.ensure_future(calls.submit(
@@ -263,7 +266,7 @@ class Gateway:
                 yield f'{{"accepted":{len(refused)}}}\n'
                 for i, item in enumerate(refused):
                     if item is not None:
-                        metrics.observe([item], [steps[i]], started)
+                        metrics.observe([item], [sent[i]], started, api)
                         yield f'{{"i":{i},"result":{encode(item)}}}\n'
                 while left:
                     i, result = await ended.get()
@@ -272,7 +275,7 @@ class Gateway:
                     answered.add(i)
                     left -= 1
                     metrics.in_flight.dec()
-                    metrics.observe([result], [steps[i]], started)
+                    metrics.observe([result], [sent[i]], started, api)
                     statuses[result.status.value] = statuses.get(result.status.value, 0) + 1
                     yield f'{{"i":{i},"result":{encode(result)}}}\n'
             finally:

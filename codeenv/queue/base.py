@@ -102,9 +102,9 @@ def declared_profiles(image: str) -> list[str]:
 class CallQueue(Protocol):
     """Takes batches of calls and answers each with a result, in order.
 
-    A queue whose workers run sessions may also offer ``worker_figures() -> dict[str, dict[str,
-    float]]``: per live worker (by name) its sessions, session_room, session_memory_bytes, and its
-    cells, sessions_lost and sessions_evicted since it started (/metrics labels them by worker).
+    A queue may also offer ``worker_figures() -> dict[str, dict[str, float]]``: per live worker (by
+    name) its capacity, safety and session figures (``SlotPool.figures``) and heartbeat_age_s
+    (/metrics labels them by worker; the live page shows them).
     """
 
     #: The sessions its workers run, or None where it routes none (the API answers 501).

@@ -153,12 +153,10 @@ class EmbeddedQueue:
                 "sessions": len(self.pool.sessions.sessions) if self.pool.sessions is not None else 0}
 
     def worker_figures(self) -> dict[str, dict[str, float]]:
-        manager = self.pool.sessions
-        return {} if manager is None else {self.pool.worker: manager.figures(taking=not self._draining)}
+        return {self.pool.worker: {**self.pool.figures(taking=not self._draining), "heartbeat_age_s": 0.0}}
 
     def ready(self) -> bool:
-        return not self._draining and self.pool.is_open and any(
-            not z.dead for s in self.pool.slots for z in s.zygotes.values())
+        return not self._draining and self.pool.healthy
 
     async def submit(self, requests: Sequence[ExecRequest], gone: asyncio.Event | None = None,
                      accepted_at: float | None = None, on_result: OnResult | None = None, *,

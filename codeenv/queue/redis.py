@@ -203,7 +203,7 @@ class RedisQueue:
         return self._snapshot
 
     def worker_figures(self) -> dict[str, dict[str, float]]:
-        return {name: {k: v for k, v in stats.items() if isinstance(v, int | float)}
+        return {name: {RENAMED.get(k, k): v for k, v in stats.items() if isinstance(v, int | float) and k != "pid"}
                 for name, stats in self._tags.values()}
 
     # --- calls ----------------------------------------------------------------------------------
@@ -700,12 +700,15 @@ class RedisQueue:
         group = next((g for g in groups if g["name"] == GROUP), None)
         async with self._r.pipeline(transaction=False) as pipe:
             for name in names:
-                pipe.exists(self.keys.alive(name))
+                pipe.pttl(self.keys.alive(name))  # -2: gone; its heartbeat's age from what is left
             if group is not None:
                 pipe.xrange(self.keys.jobs, f"({group['last-delivered-id']}", "+", count=1)
             found = await pipe.execute()
-        alive = [n for n, is_alive in zip(names, found, strict=False) if is_alive]
-        stats = {n: json.loads(workers[n]) for n in alive}
+        dead_after_ms = self.settings.worker_dead_after_s * 1000
+        ages = {n: max(0.0, dead_after_ms - ttl) / 1000 if ttl >= 0 else 0.0
+                for n, ttl in zip(names, found, strict=False) if ttl != -2}
+        alive = list(ages)
+        stats = {n: {**json.loads(workers[n]), "heartbeat_age_s": ages[n]} for n in alive}
         live = list(stats.values())
         self._workers_seen = set(alive)
         self._tags = {w["tag"]: (n, w) for n, w in stats.items() if w.get("tag")}
@@ -721,6 +724,10 @@ class RedisQueue:
             "waiting": max(0, length - group["pending"]) if group is not None else 0, "oldest_wait_s": oldest,
             "workers": len(live), "sessions": sum(w.get("sessions", 0) for w in live),
         }
+
+
+#: A worker's figures that its heartbeat sends under short names (older gateways read those).
+RENAMED = {"free": "free_slots", "restarts": "slot_restarts", "calls": "calls_run"}
 
 
 def _never_sent(exc: BaseException) -> bool:

@@ -367,7 +367,7 @@ def worker_stats(slots: int, free: int, restarts: int, calls: int, tag: str = ""
                  session_room: int = 0, **figures: float) -> str:
     """A worker's stats as it reports them in its heartbeat and the workers hash: `tag` names its
     inbox; `session_room` is how many more sessions it takes now (0 while it drains); `figures` are
-    its session counters (cells, lost, evicted) and memory."""
+    the rest of its figures (`SlotPool.figures`: safety counters, memory, session counters)."""
     return json.dumps({"slots": slots, "free": free, "restarts": restarts, "calls": calls, "tag": tag,
                        "sessions": sessions, "session_room": session_room, **figures,
                        "host": socket.gethostname(), "pid": os.getpid()})

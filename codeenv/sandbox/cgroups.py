@@ -683,6 +683,12 @@ class CgroupTree:
             return V1Cgroup(name, self.bases["memory"] / name, self.bases["pids"] / name, cpu, cpuacct)
         return V2Cgroup(name, self.bases["unified"] / name)
 
+    def memory_usage(self) -> int:
+        """What every jail and session of the worker uses together now (its subtree's charge), in bytes."""
+        if self.version == 1:
+            return _parse_int((self.bases["memory"] / "memory.usage_in_bytes").read_text())
+        return _parse_int((self.bases["unified"] / "memory.current").read_text())
+
     def remove(self) -> None:
         for base in self.bases.values():
             try:

@@ -23,6 +23,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import socket
 import time
 from collections import Counter
@@ -189,6 +190,8 @@ class SlotPool:
         self._open = False
         self.stats: Counter[str] = Counter()  # results by status
         self.calls_started = 0  # calls that reached a zygote (what "ran once" is counted by)
+        self.seccomp_kills = 0  # calls and cells ended by the seccomp filter (SIGSYS)
+        self.plan: SlotPlan | None = None  # the sizing rule's arithmetic at start
         #: Slot i runs as host uid uid_base + i: settings.uid_base, or the block claimed at start.
         self.uid_base = self.settings.uid_base or 0
         self._uids: UidBlock | None = None
@@ -223,6 +226,7 @@ class SlotPool:
             spec = self.image.spec.model_copy(update={"profiles": self.profiles})
             plan = plan_slots(settings, spec, memory_allowance(self._tree.layout))
             slots = apply_plan(plan)  # fewer slots than asked if they would not fit in memory
+            self.plan = plan
             sessions_max = _sessions_max(settings, len(self.image.spec.profiles), slots)
             check_user_namespace(settings)
             if settings.uid_base is None:
@@ -328,6 +332,31 @@ class SlotPool:
     @property
     def is_open(self) -> bool:
         return self._open
+
+    @property
+    def healthy(self) -> bool:
+        """Open, and a zygote is alive to run calls."""
+        return self._open and any(not z.dead for s in self.slots for z in s.zygotes.values())
+
+    def figures(self, taking: bool = True) -> dict[str, float]:
+        """Its capacity and safety figures for the live page and /metrics: up, slots, free slots, jail
+        recycles, calls run, OOM kills (calls and cells ended `memory`: only the kernel's OOM event says
+        so), seccomp kills (ended by SIGSYS), memory its jails and sessions use now against the memory
+        the sizing rule allowed and the rule's worst case (slots x (zygotes + largest call)), and its
+        sessions' figures (none taken unless `taking`)."""
+        memory = 0
+        with contextlib.suppress(OSError, ValueError):
+            memory = self._tree.memory_usage() if self._tree is not None else 0
+        plan = self.plan
+        out: dict[str, float] = {
+            "up": float(self.healthy), "slots": len(self.slots), "free_slots": self.free_slots,
+            "slot_restarts": self.restarts, "calls_run": self.calls_started, "oom_kills": self.stats["memory"],
+            "seccomp_kills": self.seccomp_kills, "memory_bytes": memory,
+            "memory_allowance_bytes": plan.allowance.limit_mb << 20 if plan is not None else 0,
+            "memory_needed_bytes": len(self.slots) * plan.slot_mb << 20 if plan is not None else 0}
+        if self.sessions is not None:
+            out.update(self.sessions.figures(taking))
+        return out
 
     @property
     def restarts(self) -> int:
@@ -621,6 +650,7 @@ class SlotPool:
         self.stats[result.status.value] += 1
         if result.started:
             self.calls_started += 1
+            self.seccomp_kills += result.signal == signal.SIGSYS
         return result
 
     def _release(self, slot: Slot, zygote: CallJail, problem: str | None) -> None:

@@ -9,6 +9,7 @@ work dir in its memory (see sandbox/inside/sessions.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -30,6 +31,7 @@ class SessionManager(Protocol):
     settings: SandboxSettings
     sessions: dict[str, Session]
     moved: float  # when forks were last moved into their cgroups
+    counts: collections.Counter[str]  # the worker's session counters
 
     def _admit(self, owner: bytes, count: int = 1) -> None: ...
     def _new_id(self, owner: bytes) -> str: ...
@@ -99,6 +101,7 @@ async def branch(m: SessionManager, source: Session, count: int,
                     child.kind, child.expires = SNAPSHOT, time.monotonic() + snapshot_ttl_s
                 family.sessions[index] = child
                 m.sessions[child.id] = child
+                m.counts["snapshots_created" if snapshot_ttl_s is not None else "sessions_created"] += 1
                 children.append(child)
             return children
     finally:

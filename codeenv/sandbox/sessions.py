@@ -287,6 +287,7 @@ class SessionManager:
         logger.debug("session family %d started (%s)", family.fid, profile.name)  # ids are secrets: never logged
         family.sessions[0] = session
         self.sessions[session.id] = session
+        self.counts["sessions_created"] += 1
         if named is not None:
             self._aliases[named] = session.id
             self._ended.pop(_alias_key(owner, session.public_id), None)
@@ -707,6 +708,7 @@ class SessionManager:
             result.message = "the cell was stopped by the service"
         result.rolled_back = not done.kept
         if not done.kept:
+            self.counts["rollbacks"] += 1
             result.written_files = [printable(p[:500]) for p in done.written]
             result.not_restored = [printable(p[:300]) for p in done.unrestored]
         return result
@@ -720,9 +722,11 @@ class SessionManager:
         with contextlib.suppress(OSError, ValueError):
             memory = self._families.memory_usage() if self._families is not None else 0
         room = max(0, self.sessions_max - len(self.sessions)) if taking else 0
-        return {"sessions": len(self.sessions), "session_room": room,
-                "cells": self.counts["cells"], "sessions_lost": self.counts["sessions_lost"],
-                "sessions_evicted": self.counts["sessions_evicted"], "session_memory_bytes": memory}
+        counts = self.counts
+        return {"sessions": len(self.sessions), "session_room": room, "cells": counts["cells"],
+                "sessions_created": counts["sessions_created"], "rollbacks": counts["rollbacks"],
+                "sessions_lost": counts["sessions_lost"], "sessions_evicted": counts["sessions_evicted"],
+                "session_memory_bytes": memory}
 
     def describe(self, owner: bytes = b"") -> list[dict[str, Any]]:
         """The live sessions of `owner`, and no one else's."""

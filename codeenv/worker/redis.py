@@ -518,9 +518,11 @@ class StreamWorker:
         result.queue_s = round(result.queue_s + waited, 6)
         return {"result": result.model_dump(mode="json", exclude_none=True)}
 
-    def _session_figures(self) -> dict[str, Any]:
-        manager = self.pool.sessions
-        return {"tag": self.tag, **(manager.figures(taking=not self._stopping) if manager is not None else {})}
+    def _figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = self.pool.figures(taking=not self._stopping)
+        for key in ("slots", "free_slots", "slot_restarts", "calls_run"):  # sent under their own names
+            del figures[key]
+        return {"tag": self.tag, **figures}
 
     # --- liveness and reclaiming ----------------------------------------------------------------
 
@@ -551,7 +553,7 @@ class StreamWorker:
         await self._restore_if_restarted()
         pool = self.pool
         stats = worker_stats(len(pool.slots), pool.free_slots, pool.restarts, pool.calls_started,
-                             **self._session_figures())
+                             **self._figures())
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.alive(self.name), stats, px=int(self.settings.worker_dead_after_s * 1000))
             pipe.hset(self.keys.workers, self.name, stats)

@@ -35,22 +35,56 @@ function quantile(h, q) {
   return Infinity;
 }
 
-function delta(now, then, key) {
-  const a = now.latency[key], b = then ? then.latency[key] : null;
+// The calls a histogram counted between two readings (`b` absent: since start).
+function hdelta(a, b) {
   const same = b && b.count.length === a.count.length;
   return { le: a.le, counts: a.count.map((c, i) => c - (same ? b.count[i] : 0)), total: a.total - (same ? b.total : 0) };
 }
 
+function delta(now, then, key) {
+  return hdelta(now.latency[key], then ? then.latency[key] : null);
+}
+
+// A table's rows; a cell is text, or {text, bad} to mark it.
 function rows(tbody, items) {
   tbody.replaceChildren(...items.map((cells) => {
     const tr = document.createElement("tr");
     for (const cell of cells) {
       const td = document.createElement("td");
-      td.textContent = cell;
+      if (cell !== null && typeof cell === "object") {
+        td.textContent = cell.text;
+        if (cell.bad) td.className = "bad";
+      } else {
+        td.textContent = cell;
+      }
       tr.append(td);
     }
     return tr;
   }));
+}
+
+// One row per API (or profile) that ran calls in the window: calls/s, then each latency's p50 and p99.
+function breakdown(now, before, span, field) {
+  const keys = ["queue", "run", "overhead", "end_to_end"];
+  return Object.entries(now[field]).map(([name, histograms]) => {
+    const then = before && before[field] ? before[field][name] : null;
+    const windowed = keys.map((key) => (histograms[key] ? hdelta(histograms[key], then ? then[key] : null) : null));
+    const count = windowed[1] ? windowed[1].total : 0;
+    const cells = [name || "–", span > 0 ? (count / span).toFixed(1) : "–"];
+    for (const w of windowed) cells.push(seconds(w && quantile(w, 0.5)), seconds(w && quantile(w, 0.99)));
+    return { count, cells };
+  }).filter((row) => row.count > 0).map((row) => row.cells);
+}
+
+function mix(tbody, counts) {
+  const total = sum(Object.values(counts));
+  rows(tbody, Object.entries(counts).filter(([, n]) => n > 0).sort((a, b) => b[1] - a[1])
+    .map(([name, n]) => [name, n, `${((100 * n) / total).toFixed(1)}%`]));
+  return total;
+}
+
+function rate(now, before, span, get) {
+  return before && span > 0 ? ((get(now) - get(before)) / span).toFixed(1) : "–";
 }
 
 function older(now, seconds_) {
@@ -66,6 +100,7 @@ function render(now) {
   const done = before ? (total - sum(Object.values(before.calls))) / span : null;
   $("updated").textContent = `updated ${new Date(now.time * 1000).toLocaleTimeString()}`;
   $("rate").textContent = done === null ? "–" : done.toFixed(1);
+  $("rate-in").textContent = rate(now, before, span, (r) => r.accepted || 0);
   $("in-flight").textContent = now.in_flight;
   $("waiting").textContent = now.queue.waiting ?? "–";
   $("oldest-wait").textContent = seconds(now.queue.oldest_wait_s);
@@ -81,6 +116,8 @@ function render(now) {
       seconds(quantile(all, 0.5)), seconds(quantile(all, 0.99))];
   });
   rows($("latency").tBodies[0], latency);
+  rows($("by-api").tBodies[0], breakdown(now, before, span, "by_api"));
+  rows($("by-profile").tBodies[0], breakdown(now, before, span, "by_profile"));
   const waitP99 = quantile(windowed.queue, 0.99);
   const runP99 = quantile(windowed.run, 0.99);
   const verdict = $("verdict");
@@ -101,18 +138,32 @@ function render(now) {
   $("calls-total").textContent = total;
   $("service-faults").textContent = faults;
   $("tool-error-ratio").textContent = total - faults > 0 ? (failures / (total - faults)).toFixed(3) : "–";
-  rows($("statuses").tBodies[0], Object.entries(calls).filter(([, n]) => n > 0).sort((a, b) => b[1] - a[1])
-    .map(([status, n]) => [status, n, `${((100 * n) / total).toFixed(1)}%`]));
+  mix($("statuses").tBodies[0], calls);
+  $("judged-total").textContent = mix($("verdicts").tBodies[0], now.judge.verdicts);
+  $("tests-total").textContent = mix($("test-statuses").tBodies[0], now.judge.tests);
+  $("tests-rate").textContent = rate(now, before, span, (r) => sum(Object.values(r.judge.tests)));
 
   rows($("steps").tBodies[0], now.steps.map((s) => [s.step, s.calls,
     Object.entries(s.statuses).map(([k, v]) => `${k} ${v}`).join(", "), s.service_faults,
     s.slowest ? `${seconds(s.slowest.wall_s)} (${s.slowest.status}, id ${s.slowest.id ?? "–"})` : "–"]));
 
-  rows($("workers").tBodies[0], Object.entries(now.workers).map(([name, w]) => {
+  const workers = Object.entries(now.workers);
+  rows($("workers").tBodies[0], workers.map(([name, w]) => {
     const then = before && before.workers[name];
-    const cells = then && span > 0 ? ((w.cells - then.cells) / span).toFixed(1) : "–";
-    return [name, w.sessions ?? "–", w.session_room ?? "–", cells, w.sessions_lost ?? "–",
-      w.sessions_evicted ?? "–", bytes(w.session_memory_bytes)];
+    const per = (key) => (then && span > 0 && w[key] !== undefined ? ((w[key] - (then[key] || 0)) / span).toFixed(1) : "–");
+    return [name, w.sessions ?? "–", w.session_room ?? "–", per("sessions_created"), per("cells"),
+      w.rollbacks ?? "–", w.sessions_lost ?? "–", w.sessions_evicted ?? "–", bytes(w.session_memory_bytes)];
+  }));
+  rows($("capacity").tBodies[0], workers.map(([name, w]) => {
+    const state = w.up === 0 ? "failed" : w.free_slots < w.slots ? "working" : "idle";
+    const headroom = (w.memory_allowance_bytes || 0) - (w.memory_bytes || 0);
+    const low = w.memory_allowance_bytes > 0 && headroom < 0.1 * w.memory_allowance_bytes;
+    const late = (w.heartbeat_age_s || 0) > 3;
+    return [name, { text: state, bad: state === "failed" }, `${w.free_slots ?? "–"} / ${w.slots ?? "–"}`,
+      `${bytes(w.memory_bytes)} / ${bytes(w.memory_allowance_bytes)}`, { text: bytes(Math.max(0, headroom)), bad: low },
+      bytes(w.memory_needed_bytes), w.oom_kills ?? "–",
+      w.seccomp_kills ?? "–", w.slot_restarts ?? "–",
+      { text: seconds(w.heartbeat_age_s), bad: late }];
   }));
 
   spark();
