@@ -38,6 +38,23 @@ system_packages() {
     fi
 }
 
+# Usage: debian_binaries PACKAGE: the package's files unpacked (not installed: no service, no user) under
+# .cache/debian/PACKAGE, its usr/bin put first on PATH. For Prometheus: its promtool and server check
+# deploy/prometheus and deploy/grafana (tests/test_monitoring.py, deploy/ci/check-monitoring.sh).
+debian_binaries() {
+    local pkg="$1" dir="$ROOT/.cache/debian/$1"
+    if [ ! -d "$dir/usr/bin" ]; then
+        local tmp
+        tmp="$(mktemp -d)"
+        (cd "$tmp" && { apt-get download -q "$pkg" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get download -q "$pkg" >/dev/null; }; })
+        mkdir -p "$dir.part"
+        dpkg-deb -x "$tmp"/"$pkg"_*.deb "$dir.part"
+        rm -rf "$tmp" "$dir"
+        mv "$dir.part" "$dir"
+    fi
+    export PATH="$dir/usr/bin:$PATH"
+}
+
 # Usage: bootstrap [EXTRA_DEBIAN_PACKAGE...]: the Debian packages (nsjail's libraries and these), then the venv.
 bootstrap() {
     command -v dpkg-query >/dev/null 2>&1 && system_packages libnl-route-3-200 "$@"

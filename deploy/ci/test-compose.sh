@@ -122,6 +122,13 @@ echo "ok   the hostile basics pass in a user namespace, on uids carved out of it
 podman stop -t 30 "$K8S_WORKER" >/dev/null
 remove_k8s_worker
 
+say "the monitoring profile: off by default; on, Prometheus and Grafana with deploy/'s files"
+services() { compose "$@" config 2>/dev/null | "$VENV/bin/python" -c 'import sys, yaml; print(" ".join(sorted(yaml.safe_load(sys.stdin)["services"])))'; }
+[ "$(services)" = "gateway redis worker" ] || { echo "FAIL: the default services are $(services)"; exit 1; }
+[ "$(services --profile monitoring)" = "gateway grafana prometheus redis worker" ] \
+    || { echo "FAIL: the monitoring profile's services are $(services --profile monitoring)"; exit 1; }
+echo "ok   compose config: 3 services by default, Prometheus and Grafana with --profile monitoring"
+
 say "up: redis, gateway, 1 worker"
 compose up -d --no-build >/dev/null 2>&1
 for c in $(podman ps --format '{{.Names}}' --filter "label=io.podman.compose.project=$PROJECT"); do
