@@ -27,11 +27,19 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
-// The q-quantile of a histogram (cumulative counts by bucket bound, and all it counted): the bound
-// it falls under (Infinity: past the last one).
+// The q-quantile of a histogram (cumulative counts by bucket bound, and all it counted), interpolated
+// linearly inside the bucket it falls in, as Prometheus's histogram_quantile does (Infinity: past the
+// last bound).
 function quantile(h, q) {
   if (!h.total) return null;
-  for (let i = 0; i < h.le.length; i++) if (h.counts[i] >= q * h.total) return h.le[i];
+  const rank = q * h.total;
+  for (let i = 0; i < h.le.length; i++) {
+    if (h.counts[i] >= rank) {
+      const below = i ? h.counts[i - 1] : 0, low = i ? h.le[i - 1] : 0;
+      const inside = h.counts[i] - below;
+      return inside > 0 ? low + ((h.le[i] - low) * (rank - below)) / inside : h.le[i];
+    }
+  }
   return Infinity;
 }
 
