@@ -6,6 +6,7 @@ It knows nothing of the server's settings: checking a request against them is ad
 
 from __future__ import annotations
 
+import keyword
 import re
 import sys
 from enum import Enum
@@ -307,6 +308,89 @@ CLIENT_SESSION_ID = r"^(?![0-9a-f]{1,16}\.)[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$"
 SERVICE_ID_START = re.compile(r"[0-9a-f]{1,16}\.", re.ASCII)
 
 
+#: Most host functions one session has.
+HOST_FUNCTIONS_MAX = 16
+#: Most bytes of one host call's arguments, and of its result, as JSON (one message of the jail's
+#: channels carries each).
+HOST_CALL_BYTES_MAX = 60_000
+
+
+class HostFunction(BaseModel):
+    """A function a session's code calls by name; the worker forwards each call to `url` (POST, JSON
+    `{"function", "args", "kwargs", "session_id"}`) and the answer's JSON is what the call returns."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    url: str = Field(max_length=2048, description="where the worker POSTs each call: an http(s) URL the operator "
+                                                  "allows (CODEENV_HOST_FUNCTION_URLS; loopback by default)")
+    headers: dict[str, str] = Field(default_factory=dict, max_length=16,
+                                    description="sent with each call (a bearer token, say); they never enter "
+                                                "the jail, and no answer shows them")
+    timeout_s: float = Field(30.0, gt=0, le=600, allow_inf_nan=False, description="one call's limit")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/?#@\s]+(/[^\s]*)?$", value, re.ASCII):
+            raise ValueError("an http:// or https:// URL without user info")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not re.match(r"^[A-Za-z0-9-]{1,64}$", name) or len(text) > 4096 or not text.isprintable():
+                raise ValueError(f"header {name[:64]!r}: a name of letters, digits and dashes, a printable value "
+                                 "of at most 4,096 characters")
+        return value
+
+
+class HostBudget(BaseModel):
+    """How much a session's host functions may be called: per cell and per session, calls, their time
+    and their bytes (arguments and results). A call past a budget is refused (the code gets an error)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    cell_calls: int = Field(64, ge=0, le=100_000)
+    cell_s: float = Field(300.0, ge=0, le=86_400, allow_inf_nan=False, description="total wall time of a cell's calls")
+    cell_bytes: int = Field(4 << 20, ge=0, le=1 << 30)
+    session_calls: int = Field(4096, ge=0, le=10_000_000)
+    session_s: float = Field(3600.0, ge=0, le=604_800, allow_inf_nan=False)
+    session_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
+
+
+class HostFunctions(BaseModel):
+    """A session's host functions and their budget, as a worker takes them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    functions: dict[str, HostFunction] = Field(max_length=HOST_FUNCTIONS_MAX)
+    budget: HostBudget = Field(default_factory=HostBudget)
+
+    @field_validator("functions")
+    @classmethod
+    def _names(cls, value: dict[str, HostFunction]) -> dict[str, HostFunction]:
+        for name in value:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", name, re.ASCII) or keyword.iskeyword(name):
+                raise ValueError(f"function name {name[:64]!r}: a Python identifier of at most 64 characters")
+        return value
+
+
+class HostCall(BaseModel):
+    """One host function call of a cell, in its result."""
+
+    name: str
+    status: Literal["ok", "error", "refused", "timeout", "cancelled"] = Field(
+        description="ok (the endpoint answered 2xx with JSON), error (it answered otherwise, or could not be "
+                    "reached), refused (a budget, a size or an unknown name: never sent), timeout (past the "
+                    "function's timeout_s), cancelled (the cell ended first: it may still have reached the endpoint)")
+    ms: float = Field(description="wall time, from the worker's receipt of the call to its answer")
+    bytes_in: int = Field(description="its arguments' JSON")
+    bytes_out: int = Field(0, description="its result's JSON")
+    http_status: int | None = None
+    message: str | None = None
+
+
 class SessionCreate(BaseModel):
     """A new live session (POST /v1/sessions)."""
 
@@ -325,6 +409,27 @@ class SessionCreate(BaseModel):
                                                "not beginning with hex digits and a dot): the session answers to "
                                                "it for this caller's session key only; 409 while the caller has a "
                                                "live session of that id. Default: the service makes one")
+
+    functions: dict[str, HostFunction] | None = Field(
+        None, max_length=HOST_FUNCTIONS_MAX,
+        description="host functions its code calls by name (README, \"Host functions\"): name -> {url, headers, "
+                    "timeout_s}; each call leaves the jail only through the worker, which POSTs it to url")
+    host_budget: HostBudget | None = Field(None, description="limits on its host function calls, per cell and per "
+                                                             "session (defaults as shown)")
+
+    @model_validator(mode="after")
+    def _budget_of_functions(self) -> SessionCreate:
+        if self.host_budget is not None and not self.functions:
+            raise ValueError("host_budget without functions")
+        if self.functions:
+            HostFunctions(functions=self.functions)  # their names
+        return self
+
+    def host(self) -> HostFunctions | None:
+        """Its host functions and their budget, as a worker takes them (None: it has none)."""
+        if not self.functions:
+            return None
+        return HostFunctions(functions=self.functions, budget=self.host_budget or HostBudget())
 
     @field_validator("session_id", mode="before")
     @classmethod
@@ -398,6 +503,9 @@ class SessionInfo(BaseModel):
     family_sessions: int = Field(description="sessions and snapshots in its family (it and its forks)")
     idle_ttl_s: float
     expires_in_s: float | None = Field(None, description="a snapshot's: the time left until it ends")
+    functions: list[str] | None = Field(None, description="its host functions' names")
+    host_calls: int | None = Field(None, description="host function calls its cells made")
+    host_s: float | None = Field(None, description="their wall time")
 
 
 class SnapshotInfo(BaseModel):
@@ -469,6 +577,11 @@ class ExecResult(BaseModel):
     files: dict[str, str] | None = Field(None, description="fetched files: path -> base64 content")
     file_errors: dict[str, str] | None = Field(None, description="files that could not be fetched: path -> why")
     message: str | None = None
+    host_calls: list[HostCall] | None = Field(None, description="a session's cell: its host function calls, in "
+                                                                "order (a rolled-back cell's too: they cannot be "
+                                                                "undone)")
+    host_s: float | None = Field(None, description="a session's cell: the wall time of its host calls, which its "
+                                                   "CPU limit does not count (its wall limit does)")
     value: str | None = Field(None, description="with display_last: the repr of the last top-level expression, "
                                                 "if it was one and not None (at most 8,192 characters)")
     judge: JudgeOutcome | None = Field(None, description="a judged call's tests (see /v1/judge)")

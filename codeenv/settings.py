@@ -128,6 +128,11 @@ class SandboxSettings(BaseSettings):
     snapshot_ttl_s: float = Field(1800, gt=0, description="a snapshot ends this long after it was taken unless "
                                   "it asks for another TTL (default 30 minutes; at most session_max_lifetime_s)")
     session_max_lifetime_s: float = Field(6 * 3600, gt=0, description="a session ends this long after it began")
+    host_function_urls: list[str] = Field(
+        ["http://127.0.0.1", "http://localhost", "http://[::1]"],
+        description="URLs a session's host functions may call (README, \"Host functions\"): a function's url must "
+                    "have an entry's scheme and host, its port (any if the entry names none) and begin with its "
+                    "path. Default: loopback over http, any port. [] : no host functions")
     session_memory_mb: int = Field(1024, gt=0, description="memory cap of one session (a fork has its own): its "
                                    "processes and the files they wrote together")
     session_workdir_mb: int = Field(64, gt=0, description="size of a family's work dir (tmpfs)")

@@ -122,7 +122,8 @@ def _all_sessions(api: APIRouter, gateway: Gateway) -> None:
         key = session_key(request)
         made = None if key is not None else secrets.token_urlsafe(32)
         try:
-            info = await service.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made), body.session_id)
+            info = await service.create(body.profile, body.limits, body.idle_ttl_s, owner(key or made), body.session_id,
+                                        body.host())
         except SessionError as exc:
             raise session_error(exc) from None
         except InvalidRequest as exc:

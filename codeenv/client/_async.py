@@ -272,16 +272,24 @@ class AsyncClient:
         return list(await asyncio.gather(*(self.submit(r) for r in prepared)))
 
     def session(self, *, profile: str | None = None, limits: Mapping[str, Any] | None = None,
-                idle_ttl_s: float | None = None, replay_on_loss: bool = False) -> SessionStarter:
+                idle_ttl_s: float | None = None, replay_on_loss: bool = False,
+                functions: Mapping[str, Mapping[str, Any]] | None = None,
+                host_budget: Mapping[str, Any] | None = None) -> SessionStarter:
         """A live session: ``async with client.session() as s: await s.run("x = 1")`` (closed at the
         end of the block), or ``s = await client.session()`` (close it yourself). A session that ends
         raises SessionLost from its next cell; with `replay_on_loss`, its kept cells are run again in
-        a new session first (AsyncSession says what replay does not give back)."""
+        a new session first (AsyncSession says what replay does not give back). `functions`: host
+        functions its code calls by name (``{"llm_query": {"url": ..., "headers": ..., "timeout_s":
+        ...}}``), each call made by the worker (README, "Host functions"); `host_budget`: their limits."""
         body: dict[str, Any] = {"limits": dict(limits or {})}
         if profile is not None:
             body["profile"] = profile
         if idle_ttl_s is not None:
             body["idle_ttl_s"] = idle_ttl_s
+        if functions is not None:
+            body["functions"] = {name: dict(spec) for name, spec in functions.items()}
+        if host_budget is not None:
+            body["host_budget"] = dict(host_budget)
         if replay_on_loss:
             return SessionStarter(self, "/v1/sessions", body, origin=body, history=[])
         return SessionStarter(self, "/v1/sessions", body)

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from codeenv.models import ExecRequest, ExecResult, Limits, SessionInfo
+from codeenv.models import ExecRequest, ExecResult, HostFunctions, Limits, SessionInfo
 
 #: The gauges of a queue that has no figures yet (see CallQueue.stats).
 NO_STATS: dict[str, float] = {"slots": 0, "free_slots": 0, "slot_restarts": 0, "calls_run": 0, "waiting": 0,
@@ -59,9 +59,10 @@ class SessionService(Protocol):
     """
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes, session_id: str | None = None) -> SessionInfo:
+                     owner: bytes, session_id: str | None = None, host: HostFunctions | None = None) -> SessionInfo:
         """A new session (and family) of `owner`; `session_id`: an id of the caller's choosing, for
-        `owner` only (SessionError conflict while `owner` has a live session of that id)."""
+        `owner` only (SessionError conflict while `owner` has a live session of that id); `host`: its
+        host functions (InvalidRequest for a URL its worker may not call)."""
         ...
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

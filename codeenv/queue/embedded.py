@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from codeenv.errors import InvalidRequest, PoolClosed, SessionError, SessionErrorKind, id_taken
-from codeenv.models import ExecRequest, ExecResult, Limits, Refusal, SessionInfo, Status
+from codeenv.models import ExecRequest, ExecResult, HostFunctions, Limits, Refusal, SessionInfo, Status
 from codeenv.queue.base import OnResult, SessionService, notify_each, until_done_or_gone
 from codeenv.sandbox.outside.family import SESSION, SNAPSHOT
 from codeenv.sandbox.pool import SlotPool
@@ -46,9 +46,9 @@ class PoolSessions:
         return manager
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes, session_id: str | None = None) -> SessionInfo:
+                     owner: bytes, session_id: str | None = None, host: HostFunctions | None = None) -> SessionInfo:
         manager = self._manager()
-        session = await manager.create(profile, limits, idle_ttl_s, owner, session_id)
+        session = await manager.create(profile, limits, idle_ttl_s, owner, session_id, host)
         return SessionInfo(**session.describe(manager.worker))
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

@@ -5,7 +5,8 @@ created it; every request about it goes there, whichever gateway process receive
 One message shape for both transports. A request is a JSON object with ``op`` (``create``,
 ``lookup``, ``fork``, ``snapshot``, ``delete``, ``describe``), ``owner`` (the hash of the caller's
 session key, hex) and the op's own fields (``id``; ``profile``, ``limits``, ``idle_ttl_s``,
-``session_id``: one the caller chose; ``count``; ``snapshot``: ``id`` names a snapshot; ``ttl_s``).
+``session_id``: one the caller chose; ``host``: its host functions, headers included (the
+transport is the service's own); ``count``; ``snapshot``: ``id`` names a snapshot; ``ttl_s``).
 The answer is
 ``{"ok": ...}`` (a session's description, a list of them, or null) or ``{"error": KIND, "message":
 ...}``, KIND a SessionErrorKind value, ``invalid`` (422) or ``failed`` (the host refused a family's
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, SessionErrorKind
-from codeenv.models import Limits, SessionInfo
+from codeenv.models import HostFunctions, Limits, SessionInfo
 from codeenv.queue.base import SessionService
 
 #: An answer of the pool's side.
@@ -33,8 +34,9 @@ async def serve(sessions: SessionService, message: dict[str, Any]) -> Answer:
         op = message["op"]
         if op == "create":
             limits = None if message.get("limits") is None else Limits.model_validate(message["limits"])
+            host = None if message.get("host") is None else HostFunctions.model_validate(message["host"])
             info = await sessions.create(message.get("profile"), limits, message.get("idle_ttl_s"), owner,
-                                         message.get("session_id"))
+                                         message.get("session_id"), host)
             return {"ok": info.model_dump(exclude_none=True)}
         if op == "describe":
             return {"ok": [i.model_dump(exclude_none=True) for i in await sessions.describe(owner)]}
@@ -96,10 +98,12 @@ class RemoteSessions:
         return SessionInfo.model_validate(answer["ok"])
 
     async def create(self, profile: str | None, limits: Limits | None, idle_ttl_s: float | None,
-                     owner: bytes, session_id: str | None = None) -> SessionInfo:
+                     owner: bytes, session_id: str | None = None, host: HostFunctions | None = None) -> SessionInfo:
         message: dict[str, Any] = {"op": "create", "owner": owner.hex(), "profile": profile, "idle_ttl_s": idle_ttl_s,
                                    "limits": None if limits is None else limits.model_dump(exclude_none=True),
                                    "session_id": session_id}
+        if host is not None:
+            message["host"] = host.model_dump()
         return await self._info(message, None)
 
     async def lookup(self, session_id: str, owner: bytes) -> SessionInfo:

@@ -96,7 +96,8 @@ async def branch(m: SessionManager, source: Session, count: int,
             children = []
             for index in indexes:
                 child = Session(m._new_id(source.owner), index, family, source.owner, source.profile,
-                                source.idle_ttl_s, source.limits, cells=source.cells)
+                                source.idle_ttl_s, source.limits, cells=source.cells,
+                                host=source.host.fork() if source.host is not None else None)
                 if snapshot_ttl_s is not None:  # what its forks take: its source's idle TTL and limits
                     child.kind, child.expires = SNAPSHOT, time.monotonic() + snapshot_ttl_s
                 family.sessions[index] = child

@@ -41,6 +41,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from codeenv.admission import admit, resolve_limits
 from codeenv.errors import (
     InvalidRequest,
@@ -50,10 +52,21 @@ from codeenv.errors import (
     session_lost,
     session_not_found,
 )
-from codeenv.models import ExecRequest, ExecResult, Limits, LimitValues, Refusal, Status, printable
+from codeenv.models import (
+    ExecRequest,
+    ExecResult,
+    HostCall,
+    HostFunctions,
+    Limits,
+    LimitValues,
+    Refusal,
+    Status,
+    printable,
+)
 from codeenv.sandbox import session_forks
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
+from codeenv.sandbox.host_functions import CellCalls, HostSession, check_urls
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.inside.protocol import REPORT_BYTES
 from codeenv.sandbox.jail import family_filter_hex
@@ -143,6 +156,10 @@ class SessionManager:
         # becomes the session, had 1000 while it ran, and gets this one back when the next cell starts.
         self._session_oom_score = _own_oom_score()
         self._closing = False
+        self._http: httpx.AsyncClient | None = None  # host function calls' (made at the first)
+        #: What the ids clients know this worker's sessions by begin with, before the ids it makes
+        #: (a Redis worker's tag and a dot), for what its host function calls name.
+        self.id_prefix = ""
         self._families: JailCgroup | None = None
         #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
         #: evicted (memory), for the worker's figures.
@@ -213,6 +230,9 @@ class SessionManager:
         if self._families is not None:
             await asyncio.to_thread(self._families.remove)
             self._families = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def _jail(self, profile: Profile) -> SessionJail:
         async with self._jail_lock:
@@ -242,11 +262,13 @@ class SessionManager:
             raise InvalidRequest(str(exc)) from None
 
     async def create(self, profile_name: str | None = None, limits: Limits | None = None,
-                     idle_ttl_s: float | None = None, owner: bytes = b"", alias: str | None = None) -> Session:
+                     idle_ttl_s: float | None = None, owner: bytes = b"", alias: str | None = None,
+                     host: HostFunctions | None = None) -> Session:
         """A new session (and family) of `owner` (the hash of its creator's key), known as `alias` (an
-        id its creator chose: for this owner only) when given. InvalidRequest for a bad profile or
-        limits; SessionError (full) when the worker holds as many as it may (or is short of memory
-        with every session busy); (conflict) when `owner` has a live session known as `alias`."""
+        id its creator chose: for this owner only) when given, with `host` functions. InvalidRequest
+        for a bad profile, limits or host function URL; SessionError (full) when the worker holds as
+        many as it may (or is short of memory with every session busy); (conflict) when `owner` has a
+        live session known as `alias`."""
         s = self.settings
         if self.sessions_max == 0:
             raise SessionError("this worker runs no sessions (CODEENV_SESSIONS_MAX=0, or none fit this host)",
@@ -265,6 +287,8 @@ class SessionManager:
         profile = self._profile(profile_name)
         limits = limits or Limits()
         resolve_limits(limits, s.defaults, s.caps)  # LimitExceedsCap now, not at its first cell
+        if host is not None:
+            check_urls(host, s.host_function_urls)
         self._admit(owner)
         named = (owner, alias) if alias is not None else None
         if named is not None:
@@ -283,7 +307,7 @@ class SessionManager:
             raise
         self._refill(profile)
         session = Session(self._new_id(owner), 0, family, owner, profile.name, idle_ttl_s or s.session_idle_ttl_s,
-                          limits, alias=alias)
+                          limits, alias=alias, host=HostSession(host) if host is not None else None)
         logger.debug("session family %d started (%s)", family.fid, profile.name)  # ids are secrets: never logged
         family.sessions[0] = session
         self.sessions[session.id] = session
@@ -652,9 +676,14 @@ class SessionManager:
             out.output_overflow = True
             family.channel.kill()
 
+        calls = None
+        if session.host is not None:
+            known_as = session.public_id if session.alias is not None else self.id_prefix + session.id
+            calls = CellCalls(session.host, known_as, session.cells, self.http(), family.channel.send)
         with CallFiles(code, stdin, None, None, 0, REPORT_BYTES) as call:
             try:
-                family.channel.send_cell(session.index, session.cells, limits, call)
+                family.channel.send_cell(session.index, session.cells, limits, call,
+                                         session.host.cell_message() if session.host is not None else None)
             except OSError:
                 call.close_theirs()
                 await self._end_family(family, "its processes were lost")
@@ -663,7 +692,9 @@ class SessionManager:
             t0 = time.monotonic()
             drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
             budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
-            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over)
+            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over,
+                                                  calls.take if calls is not None else None)
+            host_calls = calls.close() if calls is not None else None  # before any await: none answered later
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
@@ -677,7 +708,21 @@ class SessionManager:
         with contextlib.suppress(OSError, ValueError):  # a family ended meanwhile (deleted) has no group
             cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
-        return await self._cell_result(session, out, run, cpu_s, limits)
+        result = await self._cell_result(session, out, run, cpu_s, limits)
+        if host_calls is not None:
+            result.host_calls, result.host_s = host_calls
+            refused = run.done.host_refused if run.done is not None else 0
+            if refused:
+                result.host_calls.append(HostCall(name="*", status="refused", ms=0.0, bytes_in=0, message=(
+                    f"{refused} more calls refused in the jail (sent while one was out, or past the cell's budget)")))
+        return result
+
+    def http(self) -> httpx.AsyncClient:
+        """The client host function calls go out with: no proxy from the environment, no redirect."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False, follow_redirects=False,
+                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=32))
+        return self._http
 
     async def _cell_result(self, session: Session, out: Outcome, run: CellRun, cpu_s: float,
                            limits: LimitValues) -> ExecResult:

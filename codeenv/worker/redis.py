@@ -144,6 +144,8 @@ class StreamWorker:
             if self._own_pool:
                 await self.pool.close()
             raise QueueUnavailable(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc}") from exc
+        if self.pool.sessions is not None:  # the ids gateways give this worker's sessions begin with its tag
+            self.pool.sessions.id_prefix = f"{self.tag}."
         self._loops = [asyncio.create_task(self._claim_loop(), name="codeenv-claim"),
                        asyncio.create_task(self._heartbeat_loop(), name="codeenv-heartbeat"),
                        asyncio.create_task(self._reclaim_loop(), name="codeenv-reclaim"),
@@ -163,6 +165,8 @@ class StreamWorker:
         if self._stopping:
             return
         self._stopping = True
+        if self.pool.sessions is not None:
+            self.pool.sessions.id_prefix = ""
         with contextlib.suppress(RedisError):  # its room for sessions is 0 now: gateways send them elsewhere
             await self._beat()
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s

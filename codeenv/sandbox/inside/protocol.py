@@ -57,6 +57,9 @@ Family socket (worker <-> a family's supervisor; `Family`)::
     sup -> worker  {"op": "cell_done", "seq", "kept", "wait_status", "exit_code", "timed_out",
                     "killed", "wall_s", "lost", "written", "unrestored"}
     worker -> sup  {"op": "kill", "seq"}                         stop the running cell (rolled back)
+    sup -> worker  {"op": "host_call", "seq", "n", "name", "args", "kwargs"}  a cell calls a host function
+    worker -> sup  {"op": "host_result", "seq", "n", "ok", "value"|"error"}  its answer (the supervisor passes
+                                                                 it to the cell; one call of a cell at a time)
     worker -> sup  {"op": "fork", "sid", "new_sids", "apart", "snapshot"}  ->  {"op": "forked", "pids",
                                                                  "refused"}  N forks of one session at
                                                                  once ("pids": each one's, null if it was
@@ -84,6 +87,10 @@ Cell channel (a cell's process <-> the supervisor; `Cell`; the kernel tells its 
     cell -> sup  {"op": "started"}                               the cell's process is ready
     sup -> cell  {"op": "go"}                                    the worker has set its OOM score: run
     cell -> sup  {"op": "done", "exit_code"}                     it ended by itself: it is the session now
+    cell -> sup  {"op": "host_call", "name", "args", "kwargs"}   a host function's call (the cell's "host":
+    sup -> cell  {"op": "host_result", "ok", "value"|"error"}    its names, calls_max, bytes_max), answered
+                                                                 by the worker, or refused by the supervisor
+                                                                 (one at a time, at most calls_max)
 """
 
 from __future__ import annotations
@@ -160,6 +167,8 @@ class Family:
     CLOSED: Final = "closed"
     PING: Final = Ctl.PING
     PONG: Final = Ctl.PONG
+    HOST_CALL: Final = "host_call"
+    HOST_RESULT: Final = "host_result"
 
 
 class Session:
@@ -178,6 +187,8 @@ class Cell:
     STARTED: Final = "started"
     GO: Final = Ctl.GO
     DONE: Final = Judge.DONE
+    HOST_CALL: Final = Family.HOST_CALL
+    HOST_RESULT: Final = Family.HOST_RESULT
 
 
 #: Every op name of every channel (a test keeps them out of every other module as literals).

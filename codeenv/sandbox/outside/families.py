@@ -97,6 +97,7 @@ class CellDone:
     lost: bool = False  # the session's process is gone: nothing to roll back to
     written: tuple[str, ...] = ()  # files a rolled-back cell changed (they stay)
     unrestored: tuple[str, ...] = ()  # what else of it the rollback could not put back
+    host_refused: int = 0  # host calls the supervisor refused itself (one at a time, calls_max)
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> CellDone:
@@ -111,7 +112,8 @@ class CellDone:
                    wall_s=float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else None,
                    lost=msg.get("lost") is True,
                    written=tuple(str(p) for p in written[:100]) if isinstance(written, list) else (),
-                   unrestored=tuple(str(p) for p in unrestored[:20]) if isinstance(unrestored, list) else ())
+                   unrestored=tuple(str(p) for p in unrestored[:20]) if isinstance(unrestored, list) else (),
+                   host_refused=max(0, integer(msg.get("host_refused")) or 0))
 
     @property
     def wait_status_as_kept(self) -> int:
@@ -177,19 +179,29 @@ class FamilyChannel:
             with contextlib.suppress(OSError):
                 self.sock.send(encode({"op": Family.KILL}))
 
-    def send_cell(self, sid: int, n: int, limits: LimitValues, call: CallFiles) -> None:
-        """Hand a cell to the supervisor (OSError if the family is gone)."""
+    def send_cell(self, sid: int, n: int, limits: LimitValues, call: CallFiles,
+                  host: dict[str, Any] | None = None) -> None:
+        """Hand a cell to the supervisor (OSError if the family is gone); `host`: its host functions'
+        names and budget, as the jail's side takes them."""
         self._stopping = False
-        msg = {"op": Family.CELL, "sid": sid, "seq": n, "n": n,
-               "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
-               "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files}
+        msg: dict[str, Any] = {"op": Family.CELL, "sid": sid, "seq": n, "n": n,
+                               "wall_s": limits.wall_s, "cpu_s": max(1, int(limits.cpu_s + 0.999)),
+                               "fsize_bytes": limits.file_size_mb << 20, "nofile": limits.open_files}
+        if host is not None:
+            msg["host"] = host
         socket.send_fds(self.sock, [encode(msg)], call.theirs)
 
+    def send(self, msg: dict[str, Any]) -> None:
+        """One message to the supervisor, now (OSError if it cannot take it)."""
+        self.sock.send(encode(msg))
+
     async def watch_cell(self, budget_s: float, cpu_ns: int, cpu0: int | None, cgroup: JailCgroup,
-                         on_started: Callable[[], None], on_over: Callable[[], None]) -> CellRun:
+                         on_started: Callable[[], None], on_over: Callable[[], None],
+                         on_host_call: Callable[[dict[str, Any]], None] | None = None) -> CellRun:
         """Follow a cell until its "cell_done": its CPU time is read from `cgroup` (the cell is stopped
         past `cpu_ns`), `on_started` runs once its process exists (it runs once that returned),
-        `on_over` once a rolled-back cell's processes are gone, before its pre-cell process resumes."""
+        `on_over` once a rolled-back cell's processes are gone, before its pre-cell process resumes,
+        `on_host_call` with each host call the cell makes (it answers it later, with `send`)."""
         run = CellRun()
         t0 = time.monotonic()
         while run.done is None:
@@ -210,6 +222,9 @@ class FamilyChannel:
                 on_over()
                 with contextlib.suppress(OSError):
                     self.sock.send(encode({"op": Family.RESUME}))
+            elif got.get("op") == Family.HOST_CALL:
+                if on_host_call is not None:
+                    on_host_call(got)
             elif got.get("op") == Family.CELL_STARTED:
                 on_started()
                 if not self._stopping:  # else it was told to kill the cell, which never runs

@@ -15,6 +15,7 @@ from typing import Any
 from codeenv.errors import SandboxError
 from codeenv.models import ExecResult, Limits
 from codeenv.sandbox.cgroups import JailCgroup
+from codeenv.sandbox.host_functions import HostSession
 from codeenv.sandbox.outside.families import FamilyChannel, SessionJail
 
 
@@ -95,6 +96,7 @@ class Session:
     kind: str = SESSION  # or SNAPSHOT
     expires: float | None = None  # a snapshot's end (monotonic)
     cpu_s: float = 0.0  # its cells' CPU time
+    host: HostSession | None = None  # its host functions and their totals
     cell_ids: collections.OrderedDict[str, asyncio.Future[ExecResult]] = field(
         default_factory=collections.OrderedDict)
 
@@ -117,6 +119,9 @@ class Session:
                 "family_sessions": len(self.family.sessions), "idle_ttl_s": self.idle_ttl_s}
         if self.expires is not None:
             info["expires_in_s"] = round(max(0.0, self.expires - now), 3)
+        if self.host is not None:
+            info.update(functions=sorted(self.host.spec.functions), host_calls=self.host.calls,
+                        host_s=round(self.host.seconds, 6))
         return info
 
 
