@@ -315,6 +315,10 @@ HOST_FUNCTIONS_MAX = 16
 HOST_CALL_BYTES_MAX = 60_000
 
 
+#: Headers a host function's call sets itself (a function's headers may not name them).
+_HEADERS_OF_THE_REQUEST = frozenset({"host", "content-length", "content-type", "transfer-encoding", "connection"})
+
+
 class HostFunction(BaseModel):
     """A function a session's code calls by name; the worker forwards each call to `url` (POST, JSON
     `{"function", "args", "kwargs", "session_id"}`) and the answer's JSON is what the call returns."""
@@ -342,6 +346,8 @@ class HostFunction(BaseModel):
             if not re.match(r"^[A-Za-z0-9-]{1,64}$", name) or len(text) > 4096 or not text.isprintable():
                 raise ValueError(f"header {name[:64]!r}: a name of letters, digits and dashes, a printable value "
                                  "of at most 4,096 characters")
+            if name.lower() in _HEADERS_OF_THE_REQUEST:
+                raise ValueError(f"header {name!r} is the request's own: the worker sets it")
         return value
 
 

@@ -291,3 +291,21 @@ async def test_the_engine_keeps_host_calls_of_a_session(pool: SlotPool, endpoint
         assert result.value == "['engine']" and result.host_calls is not None and result.host_calls[0].status == "ok"
     finally:
         await manager.delete(session.id)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("spec", "says"), [
+    ({"url": "ftp://127.0.0.1/x"}, "an http:// or https:// URL"),
+    ({"url": "http://user:pw@127.0.0.1/x"}, "without user info"),
+    ({"url": "http://127.0.0.1/", "headers": {"Host": "evil"}}, "the worker sets it"),
+    ({"url": "http://127.0.0.1/", "headers": {"X-Token": "a\nb"}}, "a printable value"),
+    ({"url": "http://127.0.0.1/", "timeout_s": 0}, "greater than 0"),
+    ({"url": "http://127.0.0.1/", "method": "GET"}, "Extra inputs are not permitted"),
+])
+def test_a_function_is_checked_as_it_is_declared(spec: dict[str, Any], says: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=says):
+        HostFunctions.model_validate({"functions": {"f": spec}})
+    with pytest.raises(ValidationError, match="a Python identifier"):
+        HostFunctions.model_validate({"functions": {"class": {"url": "http://127.0.0.1/"}}})
