@@ -5,8 +5,12 @@
   calls; the totals per syscall name come with it.
 - **gateway instructions per request**: `valgrind --tool=callgrind` over the real app (`create_app`)
   with an in-memory queue behind it that answers every call `ok` at once, so only the gateway's own
-  work is counted; two runs (N and 5N requests through httpx's ASGI transport) and their difference
-  per request, which leaves start-up out. For `/v1/execute` and `/run_code`.
+  work is counted; two runs (N and 5N requests) and their difference per request, which leaves
+  start-up out. For `/v1/execute`, `/run_code` and a `/v1/execute/batch` of 32 (per call). Two
+  clients: httpx's ASGI transport (`instructions ROUTE`, the figure reported since the house issue:
+  it counts httpx's own work on both ends of the request too) and the app called with the ASGI
+  messages a server sends (`gateway instructions ROUTE`: the gateway alone). Where the revision has
+  it, the app's start is frozen out of the garbage collector's scans as `codeenv serve` does.
 
     python benchmarks/counts.py [REV ...] [--calls 1000] [--requests 50] [--json out.json]
 
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ab_revisions import ROOT, worktree  # this directory: run as a script
@@ -34,7 +39,10 @@ HERE = Path(__file__).resolve()
 ROUTES = {
     "/v1/execute": {"code": "print(1)"},
     "/run_code": {"code": "print(1)", "language": "python"},
+    "/v1/execute/batch": {"requests": [{"code": "print(1)"}] * 32},
 }
+#: Calls per request of a route (its figure is per call).
+CALLS_OF = {"/v1/execute/batch": 32}
 
 
 # --- inside a revision's environment -------------------------------------------------------------
@@ -86,7 +94,7 @@ def parse_strace(summary: str) -> dict[str, int]:
     return counts
 
 
-async def gateway_requests(route: str, requests: int) -> None:
+async def gateway_requests(route: str, requests: int, client: str = "httpx") -> None:
     import httpx
 
     from codeenv.api.app import create_app
@@ -124,11 +132,49 @@ async def gateway_requests(route: str, requests: int) -> None:
 
     queue = AnswerAtOnce()
     app = create_app(GatewaySettings(), queue)  # type: ignore[arg-type]
+    try:
+        from codeenv.topology import freeze_startup  # as `codeenv serve` does once started
+    except ImportError:
+        pass
+    else:
+        freeze_startup()
+    if client == "asgi":
+        await asgi_requests(app, route, requests)
+        return
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         for _ in range(requests):
             response = await client.post(route, json=ROUTES[route])
             assert response.status_code == 200, response.text
+
+
+async def asgi_requests(app: object, route: str, requests: int) -> None:
+    """`requests` POSTs to `route`, sent as the ASGI messages a server (uvicorn) sends: no client's work."""
+    body = json.dumps(ROUTES[route]).encode()
+    headers = [(b"host", b"localhost"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    for _ in range(requests):
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": route, "raw_path": route.encode(), "query_string": b"", "root_path": "",
+                 "headers": headers, "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+        messages: list[dict[str, object]] = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[dict[str, object]] = []
+
+        async def receive(messages: list[dict[str, object]] = messages) -> dict[str, object]:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError
+
+        await app(scope, receive, _append_to(sent))  # type: ignore[operator]
+        assert sent[0]["status"] == 200, sent
+
+
+def _append_to(sent: list[dict[str, object]]) -> Callable[[dict[str, object]], Awaitable[None]]:
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    return send
 
 
 # --- driving the revisions -----------------------------------------------------------------------
@@ -140,9 +186,9 @@ def inner(tree: Path, *args: str, valgrind: Path | None = None) -> str:
                           capture_output=True, text=True).stdout
 
 
-def instructions(tree: Path, route: str, requests: int, tmp: Path) -> int:
+def instructions(tree: Path, route: str, requests: int, tmp: Path, client: str) -> int:
     out = tmp / "callgrind.out"
-    inner(tree, "gateway", route, str(requests), valgrind=out)
+    inner(tree, "gateway", route, str(requests), client, valgrind=out)
     for line in out.read_text().splitlines():
         if line.startswith("summary:") or line.startswith("totals:"):
             return int(line.split()[1])
@@ -151,9 +197,12 @@ def instructions(tree: Path, route: str, requests: int, tmp: Path) -> int:
 
 def measure(tree: Path, calls: int, requests: int, tmp: Path) -> dict[str, object]:
     figures: dict[str, object] = {"syscalls": json.loads(inner(tree, "engine", str(calls)))}
-    for route in ROUTES:
-        small, large = instructions(tree, route, requests, tmp), instructions(tree, route, 5 * requests, tmp)
-        figures[f"instructions {route}"] = round((large - small) / (4 * requests))
+    for client, name in (("httpx", "instructions"), ("asgi", "gateway instructions")):
+        for route in ROUTES:
+            small = instructions(tree, route, requests, tmp, client)
+            large = instructions(tree, route, 5 * requests, tmp, client)
+            figures[f"{name} {route}" + (" per call" if route in CALLS_OF else "")] = round(
+                (large - small) / (4 * requests * CALLS_OF.get(route, 1)))
     return figures
 
 
@@ -170,7 +219,7 @@ def main() -> None:
         if kind == "engine":
             print(json.dumps(asyncio.run(engine_syscalls(int(rest[0])))))
         else:
-            asyncio.run(gateway_requests(rest[0], int(rest[1])))
+            asyncio.run(gateway_requests(rest[0], int(rest[1]), rest[2] if len(rest) > 2 else "httpx"))
         return
     report: dict[str, object] = {"date": time.strftime("%Y-%m-%d"), "calls": args.calls, "requests": args.requests}
     with tempfile.TemporaryDirectory(prefix="codeenv-counts-") as tmp:

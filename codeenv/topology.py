@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import importlib
 import logging
 import math
@@ -75,7 +76,7 @@ def gateway_app(settings: GatewaySettings) -> FastAPI:
         from codeenv.worker.redis import StreamWorker
 
         worker = StreamWorker(settings)
-    return create_app(settings, build_queue(settings), worker=worker)
+    return create_app(settings, build_queue(settings), worker=worker, freeze=True)
 
 
 def app_from_env() -> FastAPI:
@@ -277,6 +278,15 @@ def _serve_processes(settings: GatewaySettings, given: Mapping[str, object], log
         raise PoolFailed(supervisor.failure)
 
 
+def freeze_startup() -> None:
+    """What a service process made to start (modules, its app, its pool, settings) stays out of the
+    garbage collector's scans from here on (CPython's gc.freeze, after a last collection of what
+    start-up left): each full collection walked all of it again, about a fifth of a gateway's CPU
+    per /v1/execute request (216 -> 175 us). Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_pool(settings: GatewaySettings, socket_path: Path) -> None:
     """The host's slot pool behind `serve --processes N` (without Redis), until a stop signal."""
     from codeenv.queue import embedded
@@ -286,6 +296,7 @@ def run_pool(settings: GatewaySettings, socket_path: Path) -> None:
         queue = embedded.from_settings(settings)
         server = HostSocketServer(queue, socket_path)
         await server.start()
+        freeze_startup()
         stopping = asyncio.Event()
 
         def drain() -> None:  # its calls are answered to the gateways before their connections close
@@ -308,6 +319,7 @@ def run_worker(settings: QueueSettings) -> None:
     async def go() -> None:
         worker = StreamWorker(settings)
         await worker.start()
+        freeze_startup()
         stopping: list[asyncio.Task[None]] = []
         on_stop_signals(lambda: stopping.append(asyncio.create_task(worker.stop())), worker.force)
         await worker.stopped()

@@ -80,9 +80,12 @@ class Stopping:
         await self._worker_stop
 
 
-def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWorker | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWorker | None = None,
+               freeze: bool = False) -> FastAPI:
     """The gateway over `queue`, which it starts and closes with the app's lifespan (and `worker`, a
-    Redis worker sharing this process, started before the queue and stopped after it)."""
+    Redis worker sharing this process, started before the queue and stopped after it). `freeze`: the
+    process is the service's own (`codeenv serve`): once started, what it made is kept out of the
+    garbage collector's scans (topology.freeze_startup; not for an app among others, as in tests)."""
     metrics = Metrics(queue)
     parser = BodyParser()  # the Guard's; its helper processes end with the app
     gateway = Gateway(settings, queue, metrics)
@@ -107,6 +110,10 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 await worker.stop(grace_s=0)
             raise
         probe = asyncio.create_task(measure_lag(), name="codeenv-loop-lag")
+        if freeze:
+            from codeenv.topology import freeze_startup
+
+            freeze_startup()
         stopping = Stopping(queue, worker)
         restore_signals = drain_on_signals(stopping, settings.shutdown_grace_s)
         try:
