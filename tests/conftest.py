@@ -163,6 +163,18 @@ async def serving(app: Any) -> AsyncIterator[str]:
         await task
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def served_service(tmp_path: Path) -> AsyncIterator[Service]:
+    """A `codeenv serve` of 2 slots in a process of its own (its PATH: this one's), stopped after the test."""
+    served = start_service("serve", "--slots", "2", "--log-level", "warning", log=tmp_path / "serve.log",
+                           PATH=os.environ.get("PATH", "/usr/bin"))
+    try:
+        await served.await_ready(120)
+        yield served
+    finally:
+        await served.stop_async(60)
+
+
 class SharedPoolQueue(EmbeddedQueue):
     """The session's pool, which the app must neither start nor close."""
 

@@ -9,12 +9,10 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from codeenv.api.metrics import LATENCY_BUCKETS
 from codeenv.bench.services import Service
@@ -58,18 +56,8 @@ def table(dom: str, element_id: str) -> list[list[str]]:
             for row in re.findall(r"<tr>(.*?)</tr>", body.group(1), re.DOTALL)]
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def service(tmp_path: Path) -> AsyncIterator[Service]:
-    served = start_service("serve", "--slots", "2", "--log-level", "warning", log=tmp_path / "serve.log",
-                           PATH=os.environ.get("PATH", "/usr/bin"))
-    try:
-        await served.await_ready(120)
-        yield served
-    finally:
-        await served.stop_async(60)
-
-
-async def test_the_page_shows_the_calls_the_service_answered(service: Service, tmp_path: Path) -> None:
+async def test_the_page_shows_the_calls_the_service_answered(served_service: Service, tmp_path: Path) -> None:
+    service = served_service
     calls = [{"code": "print(1)", "step": 5}] * 7 + [{"code": "1 / 0", "step": 6}] * 2 + [
         {"code": "while True: pass", "limits": {"wall_s": 0.5, "cpu_s": 0.5}, "step": 6}]
     key = {SESSION_KEY_HEADER: "the-live-page-test's-key"}

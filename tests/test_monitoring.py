@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import re
 import shutil
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 import yaml
 
 from codeenv.bench.services import Service, free_port
 from codeenv.models import SESSION_KEY_HEADER
-from tests.conftest import start_service
 from tests.test_judge import ADD
 
 pytestmark = [pytest.mark.jail, pytest.mark.slow]
@@ -43,17 +39,6 @@ def dashboard() -> ModuleType:
 def rule_expressions() -> list[str]:
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def service(tmp_path: Path) -> AsyncIterator[Service]:
-    served = start_service("serve", "--slots", "2", "--log-level", "warning", log=tmp_path / "serve.log",
-                           PATH=os.environ.get("PATH", "/usr/bin"))
-    try:
-        await served.await_ready(120)
-        yield served
-    finally:
-        await served.stop_async(60)
 
 
 async def calls_of_every_kind(url: str) -> None:
@@ -81,7 +66,8 @@ async def query(prometheus: httpx.AsyncClient, expr: str) -> list[dict[str, Any]
 
 
 async def test_prometheus_evaluates_the_rules_and_the_dashboard_against_a_real_service(
-        service: Service, tmp_path: Path) -> None:
+        served_service: Service, tmp_path: Path) -> None:
+    service = served_service
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("this test needs Prometheus's binary (scripts/test unpacks Debian's)", pytrace=False)
