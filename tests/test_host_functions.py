@@ -241,6 +241,31 @@ async def test_an_rlm_loop_calls_the_model_from_a_cell(client: httpx.AsyncClient
     assert got["value"].startswith(f"({parts}, '"), got["value"]
 
 
+@pytest.mark.jail
+@pytest.mark.usefixtures("deleting")
+async def test_a_session_without_functions_passes_no_call_on(client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+    """Its code writes host calls on every socket it holds (its cell's channel is the one): refused.
+    (It reads the answer blocking: a timeout would make its channel, which the session goes on
+    with, non-blocking, and the code would have broken its own session.)"""
+    mine = key()
+    sid = await new_session(client, mine, profile="light")
+    forged = ("import os, socket\nfrom codeenv_inside import protocol\nanswers = []\n"
+              "for fd in map(int, os.listdir('/proc/self/fd')):\n"
+              "    try:\n        copy = os.dup(fd)\n    except OSError:\n        continue\n"
+              "    try:\n        s = socket.socket(fileno=copy)\n    except OSError:\n"
+              "        os.close(copy)  # a pipe's copy kept open would hold the cell's output open\n        continue\n"
+              "    call = {'op': 'host_call', 'name': 'echo', 'args': [], 'kwargs': {}}\n"
+              "    try:\n        s.send(protocol.encode(call))\n"
+              "        answers.append(protocol.decode(s.recv(65536)))\n"
+              "    except OSError:\n        pass\n    s.close()\n"
+              "[a.get('error') for a in answers if a]")
+    got = await cell(client, sid, forged, mine)
+    assert got["status"] == "ok" and "this session has no host functions" in got["value"], got
+    assert got.get("host_calls") is None and endpoint.got == []
+    again = await cell(client, sid, "1 + 1", mine)
+    assert again["value"] == "2", again
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("url", "allowed"), [
     ("http://127.0.0.1:8000/v1/chat", True),

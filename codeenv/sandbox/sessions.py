@@ -692,9 +692,11 @@ class SessionManager:
             t0 = time.monotonic()
             drains = call.drain(asyncio.get_running_loop(), limits.output_bytes, overflow)
             budget = limits.wall_s + self.settings.kill_grace_s + self.settings.control_timeout_s
-            run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over,
-                                                  calls.take if calls is not None else None)
-            host_calls = calls.close() if calls is not None else None  # before any await: none answered later
+            try:
+                run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over,
+                                                      calls.take if calls is not None else None)
+            finally:  # before any other await: no call is answered after the cell (nor outlives it)
+                host_calls = calls.close() if calls is not None else None
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):

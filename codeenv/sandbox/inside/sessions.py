@@ -274,6 +274,7 @@ class HostRelay:
         given = msg.get("host")
         host: dict[str, Any] = given if isinstance(given, dict) else {}
         self.sock, self.ours, self.seq = sock, ours, msg.get("seq")
+        self.enabled = bool(host)  # a session without host functions passes nothing on
         self.calls_max = host.get("calls_max", 0) if isinstance(host.get("calls_max"), int) else 0
         self.bytes_max = host.get("bytes_max", 0) if isinstance(host.get("bytes_max"), int) else 0
         self.sent = 0
@@ -281,6 +282,10 @@ class HostRelay:
         self.refused = 0
 
     def call(self, got: dict[str, Any], size: int) -> None:
+        if not self.enabled:
+            self._to_cell({"op": Cell.HOST_RESULT, "ok": False, "status": "refused",
+                           "error": "this session has no host functions"})
+            return
         if self.out is not None or self.sent > self.calls_max or size > self.bytes_max + 1024:
             self.refused += 1
             why = "one host call at a time" if self.out is not None else \
