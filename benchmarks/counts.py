@@ -133,7 +133,7 @@ async def gateway_requests(route: str, requests: int, client: str = "httpx") -> 
     queue = AnswerAtOnce()
     app = create_app(GatewaySettings(), queue)  # type: ignore[arg-type]
     try:
-        from codeenv.topology import freeze_startup  # as `codeenv serve` does once started
+        from codeenv.stopping import freeze_startup  # as `codeenv serve` does once started
     except ImportError:
         pass
     else:

@@ -40,7 +40,7 @@ from codeenv.models import (
 )
 from codeenv.queue.base import CallQueue, declared_profiles
 from codeenv.settings import GatewaySettings
-from codeenv.stopping import drain_on_signals
+from codeenv.stopping import drain_on_signals, freeze_startup
 
 if TYPE_CHECKING:
     from codeenv.worker.redis import StreamWorker
@@ -85,7 +85,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     """The gateway over `queue`, which it starts and closes with the app's lifespan (and `worker`, a
     Redis worker sharing this process, started before the queue and stopped after it). `freeze`: the
     process is the service's own (`codeenv serve`): once started, what it made is kept out of the
-    garbage collector's scans (topology.freeze_startup; not for an app among others, as in tests)."""
+    garbage collector's scans (stopping.freeze_startup; not for an app among others, as in tests)."""
     metrics = Metrics(queue)
     parser = BodyParser()  # the Guard's; its helper processes end with the app
     gateway = Gateway(settings, queue, metrics)
@@ -111,8 +111,6 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
             raise
         probe = asyncio.create_task(measure_lag(), name="codeenv-loop-lag")
         if freeze:
-            from codeenv.topology import freeze_startup
-
             freeze_startup()
         stopping = Stopping(queue, worker)
         restore_signals = drain_on_signals(stopping, settings.shutdown_grace_s)

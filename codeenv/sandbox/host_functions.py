@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from codeenv.errors import InvalidRequest
-from codeenv.models import HOST_CALL_BYTES_MAX, HostCall, HostFunctions
+from codeenv.models import HOST_CALL_BYTES_MAX, ExecResult, HostCall, HostFunctions
 from codeenv.sandbox.inside.protocol import Family
 
 #: An answer's message, where the endpoint said why it failed (its body's start, printable).
@@ -192,9 +192,9 @@ class CellCalls:
         with contextlib.suppress(OSError):
             self.send(reply)
 
-    def close(self) -> tuple[list[HostCall], float]:
+    def close(self) -> None:
         """The cell is over: calls still out are cancelled (reported so; the endpoint may have had
-        them). Its calls and their seconds."""
+        them)."""
         now = time.monotonic()
         for task, call, t0 in self._running.values():
             task.cancel()
@@ -202,7 +202,21 @@ class CellCalls:
             call.message = "the cell ended before its answer"
             self._count(now - t0, 0, new_call=False)
         self._running.clear()
-        return self.calls, round(self.seconds, 6)
+
+    def report(self, result: ExecResult, refused_in_jail: int) -> None:
+        """Its calls and their seconds in the cell's `result` (after `close`), and those the jail's
+        supervisor refused itself, counted in one entry named `*`."""
+        result.host_calls, result.host_s = self.calls, round(self.seconds, 6)
+        if refused_in_jail:
+            self.calls.append(HostCall(name="*", status="refused", ms=0.0, bytes_in=0, message=(
+                f"{refused_in_jail} more calls refused in the jail (sent while one was out, or past the cell's "
+                "budget)")))
+
+
+def host_client() -> httpx.AsyncClient:
+    """The client host function calls go out with: no proxy from the environment, no redirect."""
+    return httpx.AsyncClient(trust_env=False, follow_redirects=False,
+                             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32))
 
 
 def _printable(data: bytes) -> str:

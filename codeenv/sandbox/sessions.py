@@ -52,21 +52,11 @@ from codeenv.errors import (
     session_lost,
     session_not_found,
 )
-from codeenv.models import (
-    ExecRequest,
-    ExecResult,
-    HostCall,
-    HostFunctions,
-    Limits,
-    LimitValues,
-    Refusal,
-    Status,
-    printable,
-)
+from codeenv.models import ExecRequest, ExecResult, HostFunctions, Limits, LimitValues, Refusal, Status, printable
 from codeenv.sandbox import session_forks
 from codeenv.sandbox.budget import PID_MAX
 from codeenv.sandbox.cgroups import CgroupTree, JailCgroup
-from codeenv.sandbox.host_functions import CellCalls, HostSession, check_urls
+from codeenv.sandbox.host_functions import CellCalls, HostSession, check_urls, host_client
 from codeenv.sandbox.image import Image, Profile
 from codeenv.sandbox.inside.protocol import REPORT_BYTES
 from codeenv.sandbox.jail import family_filter_hex
@@ -157,9 +147,7 @@ class SessionManager:
         self._session_oom_score = _own_oom_score()
         self._closing = False
         self._http: httpx.AsyncClient | None = None  # host function calls' (made at the first)
-        #: What the ids clients know this worker's sessions by begin with, before the ids it makes
-        #: (a Redis worker's tag and a dot), for what its host function calls name.
-        self.id_prefix = ""
+        self.id_prefix = ""  # before the ids it makes, in the ids clients know (a Redis worker's tag and a dot)
         self._families: JailCgroup | None = None
         #: Counters since start: cells run, sessions lost (their processes, mid-cell or idle) and
         #: evicted (memory), for the worker's figures.
@@ -679,7 +667,8 @@ class SessionManager:
         calls = None
         if session.host is not None:
             known_as = session.public_id if session.alias is not None else self.id_prefix + session.id
-            calls = CellCalls(session.host, known_as, session.cells, self.http(), family.channel.send)
+            self._http = self._http or host_client()
+            calls = CellCalls(session.host, known_as, session.cells, self._http, family.channel.send)
         with CallFiles(code, stdin, None, None, 0, REPORT_BYTES) as call:
             try:
                 family.channel.send_cell(session.index, session.cells, limits, call,
@@ -696,7 +685,8 @@ class SessionManager:
                 run = await family.channel.watch_cell(budget, int(limits.cpu_s * 1e9), cpu0, cg, started, over,
                                                       calls.take if calls is not None else None)
             finally:  # before any other await: no call is answered after the cell (nor outlives it)
-                host_calls = calls.close() if calls is not None else None
+                if calls is not None:
+                    calls.close()
             out.wall_s = time.monotonic() - t0
             await collect(out, call, drains, REPORT_BYTES, self.settings.control_timeout_s)
         with contextlib.suppress(OSError, ValueError):
@@ -711,20 +701,9 @@ class SessionManager:
             cpu1 = cg.cpu_usage_ns()
         cpu_s = (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else 0.0
         result = await self._cell_result(session, out, run, cpu_s, limits)
-        if host_calls is not None:
-            result.host_calls, result.host_s = host_calls
-            refused = run.done.host_refused if run.done is not None else 0
-            if refused:
-                result.host_calls.append(HostCall(name="*", status="refused", ms=0.0, bytes_in=0, message=(
-                    f"{refused} more calls refused in the jail (sent while one was out, or past the cell's budget)")))
+        if calls is not None:
+            calls.report(result, run.done.host_refused if run.done is not None else 0)
         return result
-
-    def http(self) -> httpx.AsyncClient:
-        """The client host function calls go out with: no proxy from the environment, no redirect."""
-        if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False, follow_redirects=False,
-                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=32))
-        return self._http
 
     async def _cell_result(self, session: Session, out: Outcome, run: CellRun, cpu_s: float,
                            limits: LimitValues) -> ExecResult:

@@ -1,4 +1,5 @@
-"""Host functions as a cell's code sees them: ordinary functions in the session's namespace.
+"""Host functions in the jail: as a cell's code sees them (ordinary functions in the session's
+namespace), and as the family's supervisor passes their calls on (`HostRelay`).
 
 `bind` defines the cell's host functions (the worker names them in the cell's "host") and points
 them at the cell's channel; a call sends its name and JSON arguments to the family's supervisor and
@@ -12,7 +13,8 @@ from __future__ import annotations
 import _thread
 import socket
 
-from .protocol import MAX_MSG, Cell, decode, encode
+from . import proc
+from .protocol import MAX_MSG, Cell, Family, decode, encode
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -89,4 +91,50 @@ def call(name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     raise HostFunctionError(str(answer.get("error")), str(answer.get("status", "error")))
 
 
-__all__ = ["HostFunctionError", "bind", "call", "unbind"]
+class HostRelay:
+    """A cell's host calls, passed from its channel to the worker and their answers back: one at a time,
+    at most the cell's "host" calls_max (more are refused here and counted: a flood costs the jail's
+    own CPU, not the worker's). Answers to the cell never block the supervisor (dropped if its socket
+    is full: its code waits until the cell's deadline)."""
+
+    def __init__(self, sock: socket.socket, ours: socket.socket, msg: dict[str, Any]) -> None:
+        given = msg.get("host")
+        host: dict[str, Any] = given if isinstance(given, dict) else {}
+        self.sock, self.ours, self.seq = sock, ours, msg.get("seq")
+        self.enabled = bool(host)  # a session without host functions passes nothing on
+        self.calls_max = host.get("calls_max", 0) if isinstance(host.get("calls_max"), int) else 0
+        self.bytes_max = host.get("bytes_max", 0) if isinstance(host.get("bytes_max"), int) else 0
+        self.sent = 0
+        self.out: int | None = None  # the call the worker has
+        self.refused = 0
+
+    def call(self, got: dict[str, Any], size: int) -> None:
+        if not self.enabled:
+            self._to_cell({"op": Cell.HOST_RESULT, "ok": False, "status": "refused",
+                           "error": "this session has no host functions"})
+            return
+        if self.out is not None or self.sent > self.calls_max or size > self.bytes_max + 1024:
+            self.refused += 1
+            why = "one host call at a time" if self.out is not None else \
+                "past this cell's host calls" if self.sent > self.calls_max else "its arguments are too large"
+            self._to_cell({"op": Cell.HOST_RESULT, "ok": False, "status": "refused", "error": why})
+            return
+        self.sent += 1  # one past calls_max goes to the worker, which refuses it and says why
+        self.out = self.sent
+        proc.send(self.sock, {"op": Family.HOST_CALL, "seq": self.seq, "n": self.sent, "name": got.get("name"),
+                              "args": got.get("args"), "kwargs": got.get("kwargs")})
+
+    def answer(self, got: dict[str, Any]) -> None:
+        if got.get("n") != self.out or got.get("seq") != self.seq:
+            return  # a late answer to a call of an earlier cell
+        self.out = None
+        self._to_cell({k: v for k, v in got.items() if k not in ("n", "seq")})
+
+    def _to_cell(self, msg: dict[str, Any]) -> None:
+        try:
+            self.ours.send(encode(msg), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+
+
+__all__ = ["HostFunctionError", "HostRelay", "bind", "call", "unbind"]

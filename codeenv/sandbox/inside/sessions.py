@@ -264,52 +264,6 @@ class SessionProcess:
             proc.hard_exit(0)
 
 
-class HostRelay:
-    """A cell's host calls, passed from its channel to the worker and their answers back: one at a time,
-    at most the cell's "host" calls_max (more are refused here and counted: a flood costs the jail's
-    own CPU, not the worker's). Answers to the cell never block the supervisor (dropped if its socket
-    is full: its code waits until the cell's deadline)."""
-
-    def __init__(self, sock: socket.socket, ours: socket.socket, msg: dict[str, Any]) -> None:
-        given = msg.get("host")
-        host: dict[str, Any] = given if isinstance(given, dict) else {}
-        self.sock, self.ours, self.seq = sock, ours, msg.get("seq")
-        self.enabled = bool(host)  # a session without host functions passes nothing on
-        self.calls_max = host.get("calls_max", 0) if isinstance(host.get("calls_max"), int) else 0
-        self.bytes_max = host.get("bytes_max", 0) if isinstance(host.get("bytes_max"), int) else 0
-        self.sent = 0
-        self.out: int | None = None  # the call the worker has
-        self.refused = 0
-
-    def call(self, got: dict[str, Any], size: int) -> None:
-        if not self.enabled:
-            self._to_cell({"op": Cell.HOST_RESULT, "ok": False, "status": "refused",
-                           "error": "this session has no host functions"})
-            return
-        if self.out is not None or self.sent > self.calls_max or size > self.bytes_max + 1024:
-            self.refused += 1
-            why = "one host call at a time" if self.out is not None else \
-                "past this cell's host calls" if self.sent > self.calls_max else "its arguments are too large"
-            self._to_cell({"op": Cell.HOST_RESULT, "ok": False, "status": "refused", "error": why})
-            return
-        self.sent += 1  # one past calls_max goes to the worker, which refuses it and says why
-        self.out = self.sent
-        proc.send(self.sock, {"op": Family.HOST_CALL, "seq": self.seq, "n": self.sent, "name": got.get("name"),
-                              "args": got.get("args"), "kwargs": got.get("kwargs")})
-
-    def answer(self, got: dict[str, Any]) -> None:
-        if got.get("n") != self.out or got.get("seq") != self.seq:
-            return  # a late answer to a call of an earlier cell
-        self.out = None
-        self._to_cell({k: v for k, v in got.items() if k not in ("n", "seq")})
-
-    def _to_cell(self, msg: dict[str, Any]) -> None:
-        try:
-            self.ours.send(encode(msg), socket.MSG_DONTWAIT)
-        except OSError:
-            pass
-
-
 def session_dir(top: str, sid: int) -> str:
     return f"{top}/s{sid}"
 
@@ -426,7 +380,7 @@ class Supervisor:
         else:  # stopped before it ran a line
             reply["killed"] = True
             send_signal(cell_pid, signal.SIGKILL)
-        done = self._watch_cell(cell_pid, ours, deadline, reply, HostRelay(self.sock, ours, msg))
+        done = self._watch_cell(cell_pid, ours, deadline, reply, hostcalls.HostRelay(self.sock, ours, msg))
         reply["wall_s"] = time.monotonic() - t0
         if done is not None:  # the cell is the session now
             code = done.get("exit_code")
@@ -489,7 +443,7 @@ class Supervisor:
                 proc.send(self.sock, {"op": Family.PONG})
 
     def _watch_cell(self, cell_pid: int, ours: socket.socket, deadline: float, reply: dict[str, Any],
-                    host: HostRelay) -> dict[str, Any] | None:
+                    host: hostcalls.HostRelay) -> dict[str, Any] | None:
         """Wait for the cell until its deadline, passing its host calls on (`host`); its "done" if it
         ended by itself (else None, with "timed_out" or "killed" set in `reply` when so)."""
         try:
