@@ -141,6 +141,7 @@ class SessionErrorKind(str, Enum):
     full = "full"  # the worker (or the caller) holds as many sessions as it may: retry later
     unsupported = "unsupported"  # this worker (or this gateway's queue) runs no sessions
     conflict = "conflict"  # the request conflicts with the session's state (e.g. its family is full)
+    forbidden = "forbidden"  # the worker's operator does not allow what it asks (a host function's URL)
 
 
 class SessionError(CodeenvError):

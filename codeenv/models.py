@@ -6,7 +6,6 @@ It knows nothing of the server's settings: checking a request against them is ad
 
 from __future__ import annotations
 
-import keyword
 import re
 import sys
 from enum import Enum
@@ -20,6 +19,7 @@ from pydantic import (
     Field,
     JsonValue,
     PrivateAttr,
+    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -315,40 +315,34 @@ HOST_FUNCTIONS_MAX = 16
 HOST_CALL_BYTES_MAX = 60_000
 
 
-#: Headers a host function's call sets itself (a function's headers may not name them).
-_HEADERS_OF_THE_REQUEST = frozenset({"host", "content-length", "content-type", "transfer-encoding", "connection"})
+#: A host function's name (a Python identifier), a header's name and value, and a function's URL
+#: (http or https, no user info), as the schema says them.
+HOST_FUNCTION_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+HEADER_NAME = r"^[A-Za-z0-9-]{1,64}$"
+HEADER_VALUE = r"^[\x20-\x7e]{0,4096}$"
+HOST_FUNCTION_URL = r"^https?://[^/?#@\x00-\x20\x7f]+(/[^\x00-\x20\x7f]*)?$"
+FunctionName = Annotated[str, StringConstraints(pattern=HOST_FUNCTION_NAME)]
 
 
 class HostFunction(BaseModel):
     """A function a session's code calls by name; the worker forwards each call to `url` (POST, JSON
     `{"function", "args", "kwargs", "session_id"}`) and the answer's JSON is what the call returns."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
 
-    url: str = Field(max_length=2048, description="where the worker POSTs each call: an http(s) URL the operator "
-                                                  "allows (CODEENV_HOST_FUNCTION_URLS; loopback by default)")
-    headers: dict[str, str] = Field(default_factory=dict, max_length=16,
-                                    description="sent with each call (a bearer token, say); they never enter "
-                                                "the jail, and no answer shows them")
+    url: str = Field(max_length=2048, pattern=HOST_FUNCTION_URL,
+                     description="where the worker POSTs each call: an http(s) URL without user info that the "
+                                 "operator allows (CODEENV_HOST_FUNCTION_URLS; loopback by default)")
+    headers: dict[Annotated[str, StringConstraints(pattern=HEADER_NAME)],
+                  Annotated[str, StringConstraints(pattern=HEADER_VALUE)]] = Field(
+        default_factory=dict, max_length=16, json_schema_extra={"additionalProperties": False},
+        description="sent with each call (a bearer token, say); they never enter the jail, and no answer shows "
+                    "them. Content-Type, Content-Length, Transfer-Encoding and Connection are the request's own")
     timeout_s: float = Field(30.0, gt=0, le=600, allow_inf_nan=False, description="one call's limit")
 
-    @field_validator("url")
-    @classmethod
-    def _http(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/?#@\s]+(/[^\s]*)?$", value, re.ASCII):
-            raise ValueError("an http:// or https:// URL without user info")
-        return value
 
-    @field_validator("headers")
-    @classmethod
-    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not re.match(r"^[A-Za-z0-9-]{1,64}$", name) or len(text) > 4096 or not text.isprintable():
-                raise ValueError(f"header {name[:64]!r}: a name of letters, digits and dashes, a printable value "
-                                 "of at most 4,096 characters")
-            if name.lower() in _HEADERS_OF_THE_REQUEST:
-                raise ValueError(f"header {name!r} is the request's own: the worker sets it")
-        return value
+#: Headers a host function's call sets itself (a function's own of these names are not sent).
+HEADERS_OF_THE_REQUEST = frozenset({"content-length", "content-type", "transfer-encoding", "connection"})
 
 
 class HostBudget(BaseModel):
@@ -357,29 +351,22 @@ class HostBudget(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    cell_calls: int = Field(64, ge=0, le=100_000)
+    cell_calls: Integer = Field(64, ge=0, le=100_000)
     cell_s: float = Field(300.0, ge=0, le=86_400, allow_inf_nan=False, description="total wall time of a cell's calls")
-    cell_bytes: int = Field(4 << 20, ge=0, le=1 << 30)
-    session_calls: int = Field(4096, ge=0, le=10_000_000)
+    cell_bytes: Integer = Field(4 << 20, ge=0, le=1 << 30)
+    session_calls: Integer = Field(4096, ge=0, le=10_000_000)
     session_s: float = Field(3600.0, ge=0, le=604_800, allow_inf_nan=False)
-    session_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
+    session_bytes: Integer = Field(256 << 20, ge=0, le=1 << 40)
 
 
 class HostFunctions(BaseModel):
     """A session's host functions and their budget, as a worker takes them."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
 
-    functions: dict[str, HostFunction] = Field(max_length=HOST_FUNCTIONS_MAX)
+    functions: dict[FunctionName, HostFunction] = Field(max_length=HOST_FUNCTIONS_MAX,
+                                                        json_schema_extra={"additionalProperties": False})
     budget: HostBudget = Field(default_factory=HostBudget)
-
-    @field_validator("functions")
-    @classmethod
-    def _names(cls, value: dict[str, HostFunction]) -> dict[str, HostFunction]:
-        for name in value:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", name, re.ASCII) or keyword.iskeyword(name):
-                raise ValueError(f"function name {name[:64]!r}: a Python identifier of at most 64 characters")
-        return value
 
 
 class HostCall(BaseModel):
@@ -416,20 +403,13 @@ class SessionCreate(BaseModel):
                                                "it for this caller's session key only; 409 while the caller has a "
                                                "live session of that id. Default: the service makes one")
 
-    functions: dict[str, HostFunction] | None = Field(
-        None, max_length=HOST_FUNCTIONS_MAX,
+    functions: dict[FunctionName, HostFunction] = Field(
+        default_factory=dict, max_length=HOST_FUNCTIONS_MAX, json_schema_extra={"additionalProperties": False},
         description="host functions its code calls by name (README, \"Host functions\"): name -> {url, headers, "
                     "timeout_s}; each call leaves the jail only through the worker, which POSTs it to url")
     host_budget: HostBudget | None = Field(None, description="limits on its host function calls, per cell and per "
-                                                             "session (defaults as shown)")
-
-    @model_validator(mode="after")
-    def _budget_of_functions(self) -> SessionCreate:
-        if self.host_budget is not None and not self.functions:
-            raise ValueError("host_budget without functions")
-        if self.functions:
-            HostFunctions(functions=self.functions)  # their names
-        return self
+                                                             "session (defaults as shown; without functions, "
+                                                             "nothing to limit)")
 
     def host(self) -> HostFunctions | None:
         """Its host functions and their budget, as a worker takes them (None: it has none)."""

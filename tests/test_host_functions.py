@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from codeenv import SlotPool
 from codeenv.bench.services import free_port
-from codeenv.errors import InvalidRequest
+from codeenv.errors import SessionError
 from codeenv.models import HostFunctions
 
 TOKEN = "Bearer the-endpoint's-own-token-0123456789"
@@ -283,11 +283,11 @@ def test_only_urls_the_operator_allows(url: str, allowed: bool) -> None:
     if allowed:
         check_urls(host, SandboxSettings().host_function_urls)
     else:
-        with pytest.raises(InvalidRequest, match="not a URL this worker may call"):
+        with pytest.raises(SessionError, match="not a URL this worker may call"):
             check_urls(host, SandboxSettings().host_function_urls)
     if "10.0.0.1" in url:  # an operator's entry: its host and path
         check_urls(host, ["http://10.0.0.1/x"])
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(SessionError):
             check_urls(host, ["http://10.0.0.1/y"])
 
 
@@ -295,12 +295,10 @@ def test_only_urls_the_operator_allows(url: str, allowed: bool) -> None:
 @pytest.mark.usefixtures("deleting")
 async def test_a_url_the_worker_may_not_call_is_refused_at_creation(client: httpx.AsyncClient) -> None:
     made = await client.post("/v1/sessions", json={"functions": {"f": {"url": "http://10.1.2.3/x"}}}, headers=key())
-    assert made.status_code == 422 and "not a URL this worker may call" in made.text, made.text
+    assert made.status_code == 403 and "not a URL this worker may call" in made.text, made.text
     bad = await client.post("/v1/sessions", json={"functions": {"not a name": {"url": "http://127.0.0.1/"}}},
                             headers=key())
-    assert bad.status_code == 422 and "a Python identifier" in bad.text
-    alone = await client.post("/v1/sessions", json={"host_budget": {"cell_calls": 1}}, headers=key())
-    assert alone.status_code == 422 and "host_budget without functions" in alone.text
+    assert bad.status_code == 422 and "should match pattern" in bad.text
 
 
 @pytest.mark.jail
@@ -320,10 +318,10 @@ async def test_the_engine_keeps_host_calls_of_a_session(pool: SlotPool, endpoint
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("spec", "says"), [
-    ({"url": "ftp://127.0.0.1/x"}, "an http:// or https:// URL"),
-    ({"url": "http://user:pw@127.0.0.1/x"}, "without user info"),
-    ({"url": "http://127.0.0.1/", "headers": {"Host": "evil"}}, "the worker sets it"),
-    ({"url": "http://127.0.0.1/", "headers": {"X-Token": "a\nb"}}, "a printable value"),
+    ({"url": "ftp://127.0.0.1/x"}, "should match pattern"),
+    ({"url": "http://user:pw@127.0.0.1/x"}, "should match pattern"),
+    ({"url": "http://127.0.0.1/", "headers": {"X Token": "a"}}, "should match pattern"),
+    ({"url": "http://127.0.0.1/", "headers": {"X-Token": "a\nb"}}, "should match pattern"),
     ({"url": "http://127.0.0.1/", "timeout_s": 0}, "greater than 0"),
     ({"url": "http://127.0.0.1/", "method": "GET"}, "Extra inputs are not permitted"),
 ])
@@ -332,5 +330,5 @@ def test_a_function_is_checked_as_it_is_declared(spec: dict[str, Any], says: str
 
     with pytest.raises(ValidationError, match=says):
         HostFunctions.model_validate({"functions": {"f": spec}})
-    with pytest.raises(ValidationError, match="a Python identifier"):
-        HostFunctions.model_validate({"functions": {"class": {"url": "http://127.0.0.1/"}}})
+    with pytest.raises(ValidationError, match="should match pattern"):
+        HostFunctions.model_validate({"functions": {"no-dashes": {"url": "http://127.0.0.1/"}}})

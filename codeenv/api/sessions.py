@@ -113,6 +113,8 @@ def _all_sessions(api: APIRouter, gateway: Gateway) -> None:
     @api.post(PREFIX, status_code=201, response_model=SessionInfo,
               openapi_extra=body_schema("SessionCreate", required=False),
               responses={**{k: v for k, v in ERRORS.items() if k not in (404, 410)},
+                         403: {"description": "a host function's URL is not one this worker's operator allows "
+                                              "(CODEENV_HOST_FUNCTION_URLS)"},
                          409: {"description": "you have a live session of the session_id you chose"}})
     async def create(request: Request) -> Response:
         """Start a live session: an interpreter whose globals, imports, open files and work dir last

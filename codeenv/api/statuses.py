@@ -34,7 +34,7 @@ REFUSALS: Mapping[Refusal | None, int] = {Refusal.invalid: 422, Refusal.no_sessi
 #: A session request the engine cannot serve, by the kind of its SessionError.
 SESSION_ERRORS: Mapping[SessionErrorKind, int] = {
     SessionErrorKind.not_found: 404, SessionErrorKind.ended: 410, SessionErrorKind.full: 429,
-    SessionErrorKind.conflict: 409, SessionErrorKind.unsupported: 501}
+    SessionErrorKind.conflict: 409, SessionErrorKind.unsupported: 501, SessionErrorKind.forbidden: 403}
 
 #: The headers of a status the client may retry.
 RETRY: Mapping[int, dict[str, str]] = {429: {"Retry-After": RETRY_AFTER_S}, 504: {"Retry-After": RETRY_AFTER_S}}

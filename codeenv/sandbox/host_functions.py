@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from codeenv.errors import InvalidRequest
-from codeenv.models import HOST_CALL_BYTES_MAX, ExecResult, HostCall, HostFunctions
+from codeenv.errors import SessionError, SessionErrorKind
+from codeenv.models import HEADERS_OF_THE_REQUEST, HOST_CALL_BYTES_MAX, ExecResult, HostCall, HostFunctions
 from codeenv.sandbox.inside.protocol import Family
 
 #: An answer's message, where the endpoint said why it failed (its body's start, printable).
@@ -36,12 +36,12 @@ MESSAGE_CHARS = 300
 
 
 def check_urls(host: HostFunctions, allowed: list[str]) -> None:
-    """InvalidRequest unless every function's URL is one `allowed` (the operator's list) allows."""
+    """SessionError (forbidden: 403) unless every function's URL is one `allowed` (the operator's list) allows."""
     for name, function in host.functions.items():
         if not any(_allows(entry, function.url) for entry in allowed):
-            raise InvalidRequest(
+            raise SessionError(
                 f"host function {name!r}: {function.url[:200]!r} is not a URL this worker may call (its operator's "
-                f"CODEENV_HOST_FUNCTION_URLS allows {', '.join(allowed) or 'none'})")
+                f"CODEENV_HOST_FUNCTION_URLS allows {', '.join(allowed) or 'none'})", SessionErrorKind.forbidden)
 
 
 def _allows(entry: str, url: str) -> bool:
@@ -152,7 +152,8 @@ class CellCalls:
         body = {"function": name, "args": args, "kwargs": kwargs, "session_id": self.session_id}
         value: Any = None
         try:
-            answer = await asyncio.wait_for(self.http.post(function.url, json=body, headers=function.headers), timeout)
+            headers = {k: v for k, v in function.headers.items() if k.lower() not in HEADERS_OF_THE_REQUEST}
+            answer = await asyncio.wait_for(self.http.post(function.url, json=body, headers=headers), timeout)
             call.http_status = answer.status_code
             text = answer.content
             if not answer.is_success:
@@ -173,6 +174,8 @@ class CellCalls:
             call.status, call.message = "timeout", f"no answer within {timeout:g} s"
         except httpx.HTTPError as exc:
             call.status, call.message = "error", f"the endpoint could not be reached: {type(exc).__name__}"
+        except Exception as exc:  # the call could not even be made (say, a URL httpx cannot encode): answered
+            call.status, call.message = "error", f"the call could not be made: {type(exc).__name__}: {exc}"[:300]
         elapsed = time.monotonic() - t0
         call.ms = round(1000 * elapsed, 3)
         self._count(elapsed, call.bytes_out, new_call=False)
