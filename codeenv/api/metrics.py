@@ -85,29 +85,30 @@ class Metrics:
              ("calls_run", "Calls the workers have run"),
              ("sessions", "Live sessions on the workers"))
     #: Per worker (label `worker`), where the queue reports them (`CallQueue.worker_figures`): the key
-    #: in a worker's figures, the metric's name after `codeenv_worker_`, and its help.
+    #: in a worker's figures (the metric is `codeenv_worker_KEY`, but for WORKER_METRIC_NAMES) and its help.
     WORKER_FIGURES = (
-        ("up", "up", "1 while a worker can run calls (a zygote is alive), else 0"),
-        ("slots", "slots", "Slots of a worker"),
-        ("free_slots", "free_slots", "Slots of a worker free right now"),
-        ("slot_restarts", "slot_restarts", "Jails a worker recycled since it started"),
-        ("calls_run", "calls_run", "Calls and cells a worker has run since it started"),
-        ("oom_kills", "oom_kills", "Calls and cells the kernel's OOM killer ended (status memory) since start"),
-        ("seccomp_kills", "seccomp_kills", "Calls and cells the seccomp filter ended (SIGSYS) since start"),
-        ("memory_bytes", "memory_bytes", "Memory a worker's jails and sessions use now"),
-        ("memory_allowance_bytes", "memory_allowance_bytes", "Memory the worker may use (its cgroup's limit or "
-                                                             "the host's), as its sizing rule read it"),
-        ("memory_needed_bytes", "memory_needed_bytes", "The sizing rule's worst case: slots x (zygotes + the "
-                                                       "largest call)"),
-        ("heartbeat_age_s", "heartbeat_age_seconds", "Since a worker's last heartbeat (0 in embedded mode)"),
-        ("sessions", "sessions", "Live sessions of a worker"),
-        ("session_room", "session_room", "More sessions a worker takes now (0 while it drains)"),
-        ("session_memory_bytes", "session_memory_bytes", "Memory of a worker's session families"),
-        ("cells", "cells", "Cells a worker has run since it started (rate(): cells/s)"),
-        ("sessions_created", "sessions_created", "Sessions a worker created (forks too) since it started"),
-        ("rollbacks", "rollbacks", "Cells a worker rolled back (stopped by a limit) since it started"),
-        ("sessions_lost", "sessions_lost", "Sessions a worker lost (their processes died) since it started"),
-        ("sessions_evicted", "sessions_evicted", "Sessions a worker evicted (short of memory) since it started"))
+        ("up", "1 while a worker can run calls (a zygote is alive), else 0"),
+        ("slots", "Slots of a worker"),
+        ("free_slots", "Slots of a worker free right now"),
+        ("slot_restarts", "Jails a worker recycled since it started"),
+        ("calls_run", "Calls and cells a worker has run since it started"),
+        ("oom_kills", "Calls and cells the kernel's OOM killer ended (status memory) since start"),
+        ("seccomp_kills", "Calls and cells the seccomp filter ended (SIGSYS) since start"),
+        ("memory_bytes", "Memory a worker's jails and sessions use now"),
+        ("memory_allowance_bytes", "Memory the worker may use (its cgroup's limit or the host's), as its sizing "
+                                   "rule read it"),
+        ("memory_needed_bytes", "The sizing rule's worst case: slots x (zygotes + the largest call)"),
+        ("heartbeat_age_s", "Since a worker's last heartbeat (0 in embedded mode)"),
+        ("sessions", "Live sessions of a worker"),
+        ("session_room", "More sessions a worker takes now (0 while it drains)"),
+        ("session_memory_bytes", "Memory of a worker's session families"),
+        ("cells", "Cells a worker has run since it started (rate(): cells/s)"),
+        ("sessions_created", "Sessions a worker created (forks too) since it started"),
+        ("rollbacks", "Cells a worker rolled back (stopped by a limit) since it started"),
+        ("sessions_lost", "Sessions a worker lost (their processes died) since it started"),
+        ("sessions_evicted", "Sessions a worker evicted (short of memory) since it started"))
+    #: The figures whose metric is not named by their key (Prometheus' base unit: seconds).
+    WORKER_METRIC_NAMES = {"heartbeat_age_s": "heartbeat_age_seconds"}
 
     def __init__(self, queue: CallQueue) -> None:
         self.queue = queue
@@ -135,13 +136,9 @@ class Metrics:
         self.stats = {key: Gauge(f"codeenv_{key}", doc, registry=registry, multiprocess_mode="mostrecent")
                       for key, doc in self.STATS}
         self.steps = Steps()
-        self.per_worker = {key: Gauge(f"codeenv_worker_{name}", doc, ["worker"], registry=registry,
-                                      multiprocess_mode="mostrecent") for key, name, doc in self.WORKER_FIGURES}
-
-    def take(self, count: int) -> None:
-        """`count` calls taken: in flight until they are answered (the caller decrements in_flight)."""
-        self.accepted.inc(count)
-        self.in_flight.inc(count)
+        self.per_worker = {key: Gauge(f"codeenv_worker_{self.WORKER_METRIC_NAMES.get(key, key)}", doc, ["worker"],
+                                      registry=registry, multiprocess_mode="mostrecent")
+                           for key, doc in self.WORKER_FIGURES}
 
     def observe(self, results: Sequence[ExecResult], calls: Sequence[ExecRequest | None] = (),
                 accepted: float | None = None, api: str = "native") -> None:

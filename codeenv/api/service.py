@@ -189,7 +189,7 @@ class Gateway:
         watcher = asyncio.create_task(watch_disconnect())
         try:
             return await self.run_calls(requests, str(request.base_url), gone,
-                                        request.scope.get(ACCEPTED, time.monotonic()), api_of(request.url.path))
+                                        request.scope.get(ACCEPTED, time.monotonic()), api_of(request.scope["path"]))
         finally:
             watcher.cancel()
 
@@ -201,7 +201,8 @@ class Gateway:
         refused = self.admit(requests, base_url)
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
         self.bound_answer(valid)
-        self.metrics.take(len(requests))
+        self.metrics.accepted.inc(len(requests))
+        self.metrics.in_flight.inc(len(requests))
         try:
             results = await self.queue.submit(valid, gone, started) if valid else []
         finally:
@@ -226,7 +227,7 @@ class Gateway:
         sent: list[ExecRequest | None] = [None] * len(refused)  # each call by its index in the batch
         for index, call in zip([i for i, item in enumerate(refused) if item is None], valid, strict=True):
             sent[index] = call
-        api = api_of(request.url.path)
+        api = api_of(request.scope["path"])
         more = self.admit(valid, str(request.base_url))
         if more is not None:  # refused here: answered in their place in the batch
             unrefused = [i for i, item in enumerate(refused) if item is None]
