@@ -12,7 +12,8 @@ of every process of the service that lived through the whole window (/proc/PID/s
 own time, not its reaped children's): the call's children come and go within it and are excluded,
 as are its own reaped children's times. CPU per call is the sum over a role, in microseconds, with
 its minor page faults per call (`jail_faults`: mostly the zygote's copy-on-write faults after each
-fork); `machine` is the whole machine's CPU per call (/proc/stat: children and this client included).
+fork); `child` and `child_faults` are the same for the calls' children (reaped by the jails);
+`machine` is the whole machine's CPU per call (/proc/stat: children and this client included).
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ from codeenv.bench.services import Service, free_port, start_codeenv, start_redi
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float, int] | None:
-    """(parent pid, own CPU seconds, own minor page faults) of a live process."""
+Stat = tuple[int, float, int, float, int]
+
+
+def _stat(pid: int) -> Stat | None:
+    """(parent pid, own CPU seconds, own minor page faults, the same two of its reaped children) of
+    a live process."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK, int(fields[7])
+    return int(f[1]), (int(f[11]) + int(f[12])) / TICK, int(f[7]), (int(f[13]) + int(f[14])) / TICK, int(f[8])
 
 
 def _machine_cpu_s() -> float:
@@ -53,36 +58,43 @@ def _machine_cpu_s() -> float:
     return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / TICK
 
 
-Tree = dict[int, tuple[str, float, int]]
+Tree = dict[int, tuple[str, Stat]]
 
 
 def _tree(roots: dict[str, int]) -> Tree:
-    """Every process under `roots` (role -> pid): pid -> (role, own CPU s, own minor faults). A root's
-    descendants are the role `jail`."""
-    stats: dict[int, tuple[int, float, int]] = {}
+    """Every process under `roots` (role -> pid): pid -> (role, its figures). A root's descendants
+    are the role `jail`."""
+    stats: dict[int, Stat] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _stat(int(entry))) is not None:
             stats[int(entry)] = stat
     role_of = {pid: role for role, pid in roots.items()}
     found: Tree = {}
-    for pid, (_, cpu, faults) in stats.items():
+    for pid, stat in stats.items():
         at, seen = pid, 0
         while at not in role_of and at in stats and seen < 64:
             at, seen = stats[at][0], seen + 1
         if at in role_of:
-            found[pid] = (role_of[pid] if pid in role_of else "jail", cpu, faults)
+            found[pid] = (role_of[pid] if pid in role_of else "jail", stat)
     return found
 
 
 def _per_role(before: Tree, after: Tree, calls: int) -> dict[str, float]:
     """Role -> µs of CPU per call, and role_faults -> minor faults per call, over the processes that
-    lived through the window."""
+    lived through the window; `child`: what the jails' processes reaped meanwhile (the calls' children)."""
     figures: dict[str, float] = {}
-    for pid, (role, cpu, faults) in after.items():
+
+    def add(key: str, value: float) -> None:
+        figures[key] = figures.get(key, 0.0) + value / calls
+
+    for pid, (role, (_, cpu, faults, reaped_cpu, reaped_faults)) in after.items():
         if pid in before and before[pid][0] == role:
-            figures[role] = figures.get(role, 0.0) + (cpu - before[pid][1]) / calls * 1e6
-            key = f"{role}_faults"
-            figures[key] = figures.get(key, 0.0) + (faults - before[pid][2]) / calls
+            was = before[pid][1]
+            add(role, (cpu - was[1]) * 1e6)
+            add(f"{role}_faults", faults - was[2])
+            if role == "jail":
+                add("child", (reaped_cpu - was[3]) * 1e6)
+                add("child_faults", reaped_faults - was[4])
     return figures
 
 

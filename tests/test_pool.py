@@ -55,6 +55,18 @@ async def test_cancelled_call_frees_its_slot(run: Runner, pool: SlotPool) -> Non
     assert r.status == "ok" and r.stdout == "next\n"
 
 
+@pytest.mark.jail
+async def test_what_the_zygote_made_stays_shared_with_its_calls(run: Runner) -> None:
+    """Objects the zygote made before its first fork are immortal: a call that uses them writes
+    nothing to them (no copy of their page); what the call makes itself is counted as usual."""
+    r = await run("import sys, json\nx = object()\n"
+                  "print(sys.getrefcount(json), sys.getrefcount(json.dumps), sys.getrefcount(x))")
+    assert r.status == "ok", r
+    module, function, own = map(int, r.stdout.split())
+    assert module == function == 2**32 - 1
+    assert own == 2
+
+
 @pytest.mark.unit
 async def test_closed_pool_refuses_calls() -> None:
     pool = SlotPool(SandboxSettings(slots=1))

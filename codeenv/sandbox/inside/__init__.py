@@ -108,6 +108,9 @@ def main() -> NoReturn:
     pre.make_stdio()
     gc.collect()
     huge = proc.compact_heap()
+    # Not in a session family: there a rolled-back cell over its memory limit lost its session (the
+    # OOM killer took the pre-cell process first, for a reason not found yet).
+    immortal = 0 if config.get("sessions") else proc.immortalize()
     gc.freeze()
     proc.deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
     workdir = Workdir(config["workdir"], config.get("workdir_tmpfs"))
@@ -121,7 +124,8 @@ def main() -> NoReturn:
     zygote.make_spare()  # none in a session jail (no prefork)
     proc.send(ctl, {"op": Ctl.HELLO, "spare": zygote.spare is not None,
                     "preload_s": time.monotonic() - t0, "preload_errors": errors,
-                    "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge})
+                    "python": sys.version.split()[0], "modules": len(sys.modules), "huge_bytes": huge,
+                    "immortal": immortal})
     if config.get("sessions"):
         serve_sessions(ctl, pre, config["cleanup_timeout_s"])
     zygote.serve()

@@ -83,8 +83,8 @@ class CallZygote:
     def make_spare(self) -> None:
         """Fork the next call's child now, while the worker is busy with the last result.
 
-        This takes the fork off the next call's latency, but costs a little more CPU per call, so the
-        worker asks for it (the "spare" flag of a call) only while no calls are queued.
+        This takes the fork off the next call's latency; the worker asks for it with the "spare"
+        flag of a call (the `prefork` setting).
         """
         if not self.prefork:
             return

@@ -223,6 +223,43 @@ def compact_heap() -> int:
     return collapsed
 
 
+def immortalize() -> int:
+    """Make every object alive now immortal (CPython 3.12+, a build with the GIL): what a fork shares
+    then stays shared.
+
+    A fork shares the zygote's pages until one side writes to them, and in Python merely using an
+    object writes to it (its reference count). So after each fork the zygote's own loop, and each
+    child, copied a page for every object they touched (per `print(1)` call: 235 page faults in the
+    zygote and 423 in the child before, 134 and 293 with this). CPython skips the count of an immortal object (PEP 683: a 32-bit count of
+    2**32 - 1, as the interpreter's own constants have), so that work stops writing. Nothing the
+    program can observe changes but `sys.getrefcount` of these objects and their memory never
+    being freed, which the zygote, alive for the jail's life, would not free either. Objects the
+    collector does not track (strings, numbers, untracked tuples) are reached from those it does.
+    Returns the number of objects made immortal (0 where the build has no immortal objects).
+    """
+    import ctypes
+    import gc
+    import sys
+    import sysconfig
+
+    if sys.version_info < (3, 12) or sysconfig.get_config_var("Py_GIL_DISABLED") or sys.byteorder != "little":
+        return 0
+    immortal = (0xFFFFFFFF).to_bytes(4, "little")  # the low half of ob_refcnt, as _Py_IMMORTAL_REFCNT
+    memmove = ctypes.memmove
+    seen: set[int] = set()
+    tracked = gc.get_objects()
+    for obj in tracked:
+        seen.add(id(obj))
+    for obj in tracked:
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not gc.is_tracked(ref):
+                seen.add(id(ref))
+    del tracked
+    for address in seen:
+        memmove(address, immortal, 4)
+    return len(seen)
+
+
 def mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None) -> None:
     import ctypes
 

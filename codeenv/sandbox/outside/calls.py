@@ -97,8 +97,11 @@ class CallJail(JailProcess):
         from outside: a call over its memory limit loses its own processes, never the zygote (the
         largest process of the cgroup). Children inherit it, and none may lower it."""
         try:  # the zygote's children (the spare, or a fresh child): cheaper than the cgroup's list
-            with open(f"/proc/{self.zygote_pid}/task/{self.zygote_pid}/children") as f:
-                pids = [int(pid) for pid in f.read().split()]
+            fd = os.open(f"/proc/{self.zygote_pid}/task/{self.zygote_pid}/children", os.O_RDONLY)
+            try:
+                pids = [int(pid) for pid in os.read(fd, 1 << 16).split()]
+            finally:
+                os.close(fd)
         except OSError:  # a kernel without CONFIG_PROC_CHILDREN
             keep = {self.zygote_pid, self.proc.pid if self.proc is not None else 0}
             pids = [pid for pid in self.cgroup.procs() if pid not in keep]
