@@ -6,7 +6,8 @@
 - **gateway instructions per request**: `valgrind --tool=callgrind` over the real app (`create_app`)
   with an in-memory queue behind it that answers every call `ok` at once, so only the gateway's own
   work is counted; two runs (N and 5N requests) and their difference per request, which leaves
-  start-up out. For `/v1/execute`, `/run_code` and a `/v1/execute/batch` of 32 (per call). Two
+  start-up out. For `/v1/execute`, `/run_code`, a `/v1/execute/batch` of 32 (per call), a session's
+  cell and a `/v1/judge` of 10 stdin tests (per test; the fake queue says every test passed). Two
   clients: httpx's ASGI transport (`instructions ROUTE`, the figure reported since the house issue:
   it counts httpx's own work on both ends of the request too) and the app called with the ASGI
   messages a server sends (`gateway instructions ROUTE`: the gateway alone). Where the revision has
@@ -36,13 +37,20 @@ from pathlib import Path
 from ab_revisions import ROOT, worktree  # this directory: run as a script
 
 HERE = Path(__file__).resolve()
+#: A session's id as the pool makes them (the fake queue below answers its cells).
+SESSION = "0123456789a.1.AbCdEfGhIjKlMnOpQrStUvWx"
 ROUTES = {
     "/v1/execute": {"code": "print(1)"},
     "/run_code": {"code": "print(1)", "language": "python"},
     "/v1/execute/batch": {"requests": [{"code": "print(1)"}] * 32},
+    f"/v1/sessions/{SESSION}/execute": {"code": "x = 1\nx"},
+    "/v1/judge": {"code": "print(int(input()) * 2)", "tests": [{"stdin": str(i), "expected_stdout": str(2 * i)}
+                                                            for i in range(10)]},
 }
-#: Calls per request of a route (its figure is per call).
-CALLS_OF = {"/v1/execute/batch": 32}
+#: Calls (or judged tests) per request of a route (its figure is per call, or per test).
+CALLS_OF = {"/v1/execute/batch": 32, "/v1/judge": 10}
+#: How a route's figure is named in the report.
+NAMES = {f"/v1/sessions/{SESSION}/execute": "a session cell", "/v1/judge": "/v1/judge of 10 tests"}
 
 
 # --- inside a revision's environment -------------------------------------------------------------
@@ -98,20 +106,30 @@ async def gateway_requests(route: str, requests: int, client: str = "httpx") -> 
     import httpx
 
     from codeenv.api.app import create_app
-    from codeenv.models import ExecRequest, ExecResult
+    from codeenv.models import ExecRequest, ExecResult, JudgeOutcome, TestResult
     from codeenv.settings import GatewaySettings
 
+    def answer(request: ExecRequest) -> ExecResult:
+        if request.judge is not None:  # every test passed
+            tests = [TestResult(status="passed", stdout=f"{2 * i}\n", exit_code=0) for i in range(10)]
+            return ExecResult(status="ok", exit_code=0, started=True, judge=JudgeOutcome(passed=10, total=10,
+                                                                                        tests=tests))
+        if request.session is not None:
+            return ExecResult(status="ok", exit_code=0, started=True, value="1", execution_count=1)
+        return ExecResult(status="ok", stdout="1\n", exit_code=0, started=True)
+
     class AnswerAtOnce:
-        """A queue that answers every call `ok` without running it."""
+        """A queue that answers every call `ok` without running it (a judged call: every test passed)."""
         pool = None
-        sessions = None
+        # Not None only for a session's cell: the other routes' figures stay those measured before.
+        sessions = object() if "/v1/sessions/" in route else None
 
         async def start(self) -> None: ...
         async def close(self) -> None: ...
 
         async def submit(self, requests: list[ExecRequest], gone: object = None, accepted_at: float | None = None,
                          on_result: object = None) -> list[ExecResult]:
-            results = [ExecResult(status="ok", stdout="1\n", exit_code=0, started=True) for _ in requests]
+            results = [answer(r) for r in requests]
             if callable(on_result):
                 for i, result in enumerate(results):
                     on_result(i, result)
@@ -146,6 +164,7 @@ async def gateway_requests(route: str, requests: int, client: str = "httpx") -> 
         for _ in range(requests):
             response = await client.post(route, json=ROUTES[route])
             assert response.status_code == 200, response.text
+            assert b"\"passed\"" in response.content or "/judge" not in route, response.text
 
 
 async def asgi_requests(app: object, route: str, requests: int) -> None:
@@ -201,7 +220,8 @@ def measure(tree: Path, calls: int, requests: int, tmp: Path) -> dict[str, objec
         for route in ROUTES:
             small = instructions(tree, route, requests, tmp, client)
             large = instructions(tree, route, 5 * requests, tmp, client)
-            figures[f"{name} {route}" + (" per call" if route in CALLS_OF else "")] = round(
+            per = {"/v1/judge": " per test"}.get(route, " per call" if route in CALLS_OF else "")
+            figures[f"{name} {NAMES.get(route, route)}{per}"] = round(
                 (large - small) / (4 * requests * CALLS_OF.get(route, 1)))
     return figures
 

@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +33,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_revisions import spread, worktree  # noqa: E402  (this directory)
+from ab_revisions import ROOT, spread, worktree  # noqa: E402  (this directory)
 
 from codeenv.bench.services import Service, free_port, start_codeenv, start_redis  # noqa: E402
 
@@ -170,13 +171,17 @@ def main() -> None:
                 this: dict[str, dict[str, dict[str, float]]] = {}
                 for name, tree in trees.items():
                     env = None if tree is None else dict(os.environ, PYTHONPATH=str(tree))
+                    # `python -m codeenv.cli` imports from its working directory first (before
+                    # PYTHONPATH, and before the editable install's finder): the tree's own.
+                    os.chdir(tree or ROOT)
                     this[name] = {d: turn(d, args.calls, args.concurrency, args.code, env) for d in args.deployments}
                     print(f"round {r + 1} {name}: {json.dumps(this[name])}", flush=True)
                 rounds.append(this)
         finally:
+            os.chdir(ROOT)
             for tree in trees.values():
                 if tree is not None:
-                    os.system(f"git worktree remove --force {tree} >/dev/null 2>&1")
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     report: dict[str, Any] = {"calls": args.calls, "concurrency": args.concurrency, "code": args.code, "rounds": rounds,
                               "medians": {}}
     for name in trees:
