@@ -108,8 +108,11 @@ def main() -> NoReturn:
     pre.make_stdio()
     gc.collect()
     huge = proc.compact_heap()
-    # Not in a session family: there a rolled-back cell over its memory limit lost its session (the
-    # OOM killer took the pre-cell process first, for a reason not found yet).
+    # Not in a session family: there a cell's fork touches fewer pages, so a cell limit of 1 MB is
+    # accepted where it was refused, and the OOM killer then took the pre-cell process instead of the
+    # cell (a score's weight is the group's limit, a few hundred pages here, while the two processes
+    # map nearly the same pages; lowering the pre-cell's score below the worker's needs
+    # CAP_SYS_RESOURCE, which a worker in a container may lack).
     immortal = 0 if config.get("sessions") else proc.immortalize()
     gc.freeze()
     proc.deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
