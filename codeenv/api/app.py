@@ -25,7 +25,7 @@ from starlette.routing import Match, Route
 
 from codeenv.api import compat, contract, judging, mcp, native, nemo, piston, problems, routers, sessions
 from codeenv.api.body import BodyParser, return_large_frees
-from codeenv.api.guard import Guard
+from codeenv.api.guard import Guard, direct_routes
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
 from codeenv.errors import ApiError
@@ -132,10 +132,12 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     app = FastAPIOffline(title="codeenv", version="0.1.0", lifespan=lifespan, static_url=DOCS_ASSETS,
                          swagger_ui_parameters={"validatorUrl": None},
                          description="Run untrusted Python in jails, with hard limits and structured results.")
-    app.add_middleware(Guard, settings=settings, json_paths=native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS
-                       | compat.CODE_JUDGE_JSON_PATHS | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS
-                       | piston.JSON_PATHS,
-                       json_route=sessions.is_json_route, parser=parser, ticketed=problems.ticketed(gateway))
+    json_paths = (native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS | compat.CODE_JUDGE_JSON_PATHS
+                  | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS | piston.JSON_PATHS)
+    direct: dict[str, Any] = {}  # filled below, once the routes exist
+    app.add_middleware(Guard, settings=settings, json_paths=json_paths, json_route=sessions.is_json_route,
+                       parser=parser, ticketed=problems.ticketed(gateway), direct=direct,
+                       handlers=app.exception_handlers)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
@@ -158,6 +160,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
                 nemo.router(gateway), piston.router(gateway), problems.router(gateway)):
         app.router.routes.extend(api.routes)
     app.router.routes.extend(mcp_endpoints.routes())
+    direct.update(direct_routes(app.router.routes, json_paths))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import time
-from collections.abc import Callable, Iterable
+import typing
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
 
 from codeenv.api.body import Body, BodyParser
 from codeenv.errors import ApiError
@@ -39,20 +45,64 @@ DOCS_HINT = ("; a browser sends none, so with a token /docs cannot open in it: d
              "(codeenv serve on loopback)")
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+Handlers = Mapping[Any, Callable[[Request, Exception], Any]]
+
+
+def direct_routes(routes: Iterable[Any], paths: Iterable[str]) -> dict[str, Endpoint]:
+    """The JSON POST routes the Guard calls itself, path -> endpoint, instead of handing the request
+    to the router: those whose path is one of `paths` (no parameters in it), whose endpoint takes
+    the request alone (no dependency, nothing for FastAPI to solve) and answers a Response (which
+    FastAPI passes on as it is). Only the first route of a path counts, as in the router.
+
+    For these the router's walk (every route matched in turn), FastAPI's request handler and its
+    middleware layers were a third of a request's work in the gateway (`benchmarks/counts.py`) and
+    did nothing: the Guard has read and parsed the body already, and the endpoint answers through
+    the app's own exception handlers as before.
+    """
+    wanted, found, seen = set(paths), {}, set()
+    for route in routes:
+        path = getattr(route, "path", None)
+        if path not in wanted or path in seen or "POST" not in (getattr(route, "methods", None) or ()):
+            continue
+        seen.add(path)
+        if isinstance(route, APIRoute) and _takes_the_request_alone(route.endpoint):
+            found[path] = route.endpoint
+    return found
+
+
+def _takes_the_request_alone(endpoint: Callable[..., Any]) -> bool:
+    if not inspect.iscoroutinefunction(endpoint):
+        return False
+    try:
+        hints = typing.get_type_hints(endpoint)
+    except (NameError, TypeError):
+        return False
+    params = list(inspect.signature(endpoint).parameters.values())
+    returned = hints.get("return")
+    return (len(params) == 1 and hints.get(params[0].name) is Request
+            and isinstance(returned, type) and issubclass(returned, Response))
+
+
 class Guard:
     """The token, then the body of the POST routes that take JSON (`json_paths`).
 
     The body is read here once, capped (413) and parsed (400), and left in the scope; the app then
     sees an empty body followed by the client's real messages, so an endpoint can still notice
-    the client hanging up (http.disconnect) while its calls wait.
+    the client hanging up (http.disconnect) while its calls wait. The routes in `direct` are called
+    from here (see `direct_routes`), their errors answered by the app's `handlers`.
     """
 
     def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str],
                  json_route: Callable[[str, str], bool] | None = None, parser: BodyParser | None = None,
-                 ticketed: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                 ticketed: Callable[[dict[str, Any]], bool] | None = None,
+                 direct: Mapping[str, Endpoint] | None = None, handlers: Handlers | None = None) -> None:
         """`json_route(method, path)`: also a route that takes JSON (paths with ids in them);
         `parser`: what parses the bodies (its owner closes it); `ticketed(scope)`: a request that
-        carries a ticket standing for the token (a worker's fetch of one problem package)."""
+        carries a ticket standing for the token (a worker's fetch of one problem package);
+        `direct` and `handlers`: read at each request (the app fills them once its routes exist)."""
+        self.direct: Mapping[str, Endpoint] = direct if direct is not None else {}
+        self.handlers: Handlers = handlers if handlers is not None else {}
         self.ticketed = ticketed
         self.app = app
         self.parser = parser or BodyParser()
@@ -107,12 +157,32 @@ class Guard:
                     message: dict[str, Any] = await receive()
                     return message
 
-                await self.app(scope, replay, send)
+                endpoint = self.direct.get(scope["path"]) if listed else None
+                if endpoint is None:
+                    await self.app(scope, replay, send)
+                else:
+                    await self._call(endpoint, scope, replay, send)
                 return
         except ApiError as exc:
             await JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    async def _call(self, endpoint: Endpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A direct route's endpoint, its error answered by the app's handler for it (by the class's
+        MRO, as Starlette does); one without a handler goes on up (a 500)."""
+        request = Request(scope, receive, send)
+        try:
+            response = await endpoint(request)
+        except Exception as exc:
+            handler = next((self.handlers[c] for c in type(exc).__mro__ if c in self.handlers), None)
+            if handler is None:
+                raise
+            if inspect.iscoroutinefunction(handler):
+                response = await handler(request, exc)
+            else:
+                response = await run_in_threadpool(handler, request, exc)
+        await response(scope, receive, send)
 
     def _check_browser(self, headers: dict[bytes, bytes], scheme: str) -> None:
         host = headers.get(b"host", b"").decode("latin-1").lower()

@@ -220,7 +220,8 @@ class GatewayBackend:
         cancels those not started, as a client hanging up does on the native routes."""
         base_url = str(getattr(request, "base_url", "") or self.gateway.settings.public_url or "http://127.0.0.1/")
         gone = asyncio.Event()
-        running = _keep(asyncio.ensure_future(self.gateway.run_calls(calls, base_url, gone, time.monotonic(), "mcp")))
+        running = _keep(asyncio.ensure_future(self.gateway.run_calls(calls, lambda: base_url, gone, time.monotonic(),
+                                                                     "mcp")))
         try:
             results: list[ExecResult] = await asyncio.shield(running)
         except asyncio.CancelledError:

@@ -122,7 +122,7 @@ def bind_owner(request: Request, calls: list[ExecRequest]) -> None:
         if call.session is not None:
             named = True
             break
-    if not named and not request.url.path.startswith(SESSION_KEY_PATHS):
+    if not named and not request.scope["path"].startswith(SESSION_KEY_PATHS):
         return
     key = session_key(request)
     if named:
@@ -144,7 +144,7 @@ class Gateway:
         # A queue written before CallQueue had `sessions` (e.g. a test's own fake) runs none.
         self.sessions: SessionService | None = getattr(queue, "sessions", None)
 
-    def admit(self, calls: list[ExecRequest], base_url: str) -> list[ExecResult | None] | None:
+    def admit(self, calls: list[ExecRequest], base_url: Callable[[], str]) -> list[ExecResult | None] | None:
         """Each call checked against this gateway's settings (the one admission on this side): None
         when every call is admitted, else per call its `rejected` result or None. A call judged by
         reference learns its problem's test count and where its worker fetches it (this gateway, at
@@ -155,7 +155,7 @@ class Gateway:
                 if call.session is not None and self.sessions is None:
                     raise InvalidRequest(NO_SESSIONS.format(queue=type(self.queue).__name__))
                 if call.judge is not None and call.judge.problem is not None:
-                    self.problems.refer(call.judge, self.settings.public_url or base_url)
+                    self.problems.refer(call.judge, self.settings.public_url or base_url())
                 check(call, self.settings)
             except InvalidRequest as exc:
                 if refused is None:
@@ -186,17 +186,23 @@ class Gateway:
                 await asyncio.sleep(DISCONNECT_POLL_S)
             gone.set()
 
-        watcher = asyncio.create_task(watch_disconnect())
+        # The watch starts after one poll interval, as its second look did: most calls have ended by
+        # then, and made no task of it.
+        watchers: list[asyncio.Task[None]] = []
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(DISCONNECT_POLL_S, lambda: watchers.append(loop.create_task(watch_disconnect())))
         try:
-            return await self.run_calls(requests, str(request.base_url), gone,
+            return await self.run_calls(requests, lambda: str(request.base_url), gone,
                                         request.scope.get(ACCEPTED, time.monotonic()), api_of(request.scope["path"]))
         finally:
-            watcher.cancel()
+            timer.cancel()
+            for watcher in watchers:
+                watcher.cancel()
 
-    async def run_calls(self, requests: list[ExecRequest], base_url: str, gone: asyncio.Event,
+    async def run_calls(self, requests: list[ExecRequest], base_url: Callable[[], str], gone: asyncio.Event,
                         started: float, api: str) -> list[ExecResult]:
         """answer() for a caller that is no HTTP request of its own (an MCP tool call): `gone` set
-        cancels the unstarted calls; `base_url`: this gateway as the caller reached it; `api`: the
+        cancels the unstarted calls; `base_url()`: this gateway as the caller reached it; `api`: the
         metrics' label of the API they came by."""
         refused = self.admit(requests, base_url)
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
@@ -228,7 +234,7 @@ class Gateway:
         for index, call in zip([i for i, item in enumerate(refused) if item is None], valid, strict=True):
             sent[index] = call
         api = api_of(request.scope["path"])
-        more = self.admit(valid, str(request.base_url))
+        more = self.admit(valid, lambda: str(request.base_url))
         if more is not None:  # refused here: answered in their place in the batch
             unrefused = [i for i, item in enumerate(refused) if item is None]
             for index, item in zip(unrefused, more, strict=True):

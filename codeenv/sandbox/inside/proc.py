@@ -230,11 +230,12 @@ def immortalize() -> int:
     A fork shares the zygote's pages until one side writes to them, and in Python merely using an
     object writes to it (its reference count). So after each fork the zygote's own loop, and each
     child, copied a page for every object they touched (per `print(1)` call: 235 page faults in the
-    zygote and 423 in the child before, 134 and 293 with this). CPython skips the count of an immortal object (PEP 683: a 32-bit count of
-    2**32 - 1, as the interpreter's own constants have), so that work stops writing. Nothing the
-    program can observe changes but `sys.getrefcount` of these objects and their memory never
-    being freed, which the zygote, alive for the jail's life, would not free either. Objects the
-    collector does not track (strings, numbers, untracked tuples) are reached from those it does.
+    zygote and 423 in the child before, 134 and 293 with this). CPython skips the count of an
+    immortal object (PEP 683: a 32-bit count of 2**32 - 1, as the interpreter's own constants
+    have), so that work stops writing. Nothing the program can observe changes but
+    `sys.getrefcount` of these objects and their memory never being freed, which the zygote, alive
+    for the jail's life, would not free either. Objects the collector does not track (strings,
+    numbers, untracked tuples) are reached from those it does.
     Returns the number of objects made immortal (0 where the build has no immortal objects).
     """
     import ctypes
