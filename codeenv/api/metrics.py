@@ -125,6 +125,7 @@ class Metrics:
                                        registry=registry, buckets=LATENCY_BUCKETS)
                         for key, name in LATENCIES.items()}
         self._latency_of: dict[tuple[str, str], list[Histogram]] = {}  # (api, profile) -> their children
+        self._counter_of: dict[tuple[Counter, str], Counter] = {}  # (counter, label) -> its child
         self.judged = Counter("codeenv_judge_submissions", "Judged submissions, by verdict", ["verdict"],
                               registry=registry)
         self.tests = Counter("codeenv_judge_tests", "Tests of judged submissions, by status", ["status"],
@@ -146,8 +147,12 @@ class Metrics:
         session cell); `accepted`: when (monotonic) the gateway took them, for their end-to-end time
         and overhead; `api`: the API they came by (API_OF names them)."""
         now = time.monotonic()
+        # Counters by label are added up over the results first: one increment per label seen, not
+        # one per call (a batch's calls mostly share a status, a judged call's tests too).
+        statuses: dict[str, int] = {}
+        tests: dict[str, int] = {}
         for index, r in enumerate(results):
-            self.calls.labels(r.status.value).inc()
+            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
             call = calls[index] if index < len(calls) else None
             if r.started:
                 kind = SESSION_API if api == "native" and call is not None and call.session is not None else api
@@ -165,9 +170,15 @@ class Metrics:
             if r.judge is not None:
                 self.judged.labels(judge_status(r).value).inc()
                 for test in r.judge.tests:
-                    self.tests.labels(test.status.value).inc()
+                    tests[test.status.value] = tests.get(test.status.value, 0) + 1
             if call is not None and call.step is not None:
                 self.steps.observe(call.step, r)
+        for counter, counts in ((self.calls, statuses), (self.tests, tests)):
+            for label, n in counts.items():
+                child = self._counter_of.get((counter, label))
+                if child is None:
+                    child = self._counter_of[counter, label] = counter.labels(label)
+                child.inc(n)
 
     def exposition(self) -> bytes:
         stats = self.queue.stats()
