@@ -25,7 +25,7 @@ from starlette.routing import Match, Route
 
 from codeenv.api import compat, contract, judging, mcp, native, nemo, piston, problems, routers, sessions
 from codeenv.api.body import BodyParser, return_large_frees
-from codeenv.api.guard import Guard, direct_routes
+from codeenv.api.guard import Guard, Matcher, direct_routes, templated_routes
 from codeenv.api.metrics import Metrics
 from codeenv.api.service import Gateway
 from codeenv.errors import ApiError
@@ -135,8 +135,9 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
     json_paths = (native.JSON_PATHS | judging.JSON_PATHS | routers.JSON_PATHS | compat.CODE_JUDGE_JSON_PATHS
                   | compat.SANDBOX_FUSION_JSON_PATHS | nemo.JSON_PATHS | piston.JSON_PATHS)
     direct: dict[str, Any] = {}  # filled below, once the routes exist
+    templated: list[Matcher] = []
     app.add_middleware(Guard, settings=settings, json_paths=json_paths, json_route=sessions.is_json_route,
-                       parser=parser, ticketed=problems.ticketed(gateway), direct=direct,
+                       parser=parser, ticketed=problems.ticketed(gateway), direct=direct, templated=templated,
                        handlers=app.exception_handlers)
 
     @app.exception_handler(ApiError)
@@ -161,6 +162,7 @@ def create_app(settings: GatewaySettings, queue: CallQueue, *, worker: StreamWor
         app.router.routes.extend(api.routes)
     app.router.routes.extend(mcp_endpoints.routes())
     direct.update(direct_routes(app.router.routes, json_paths))
+    templated.extend(templated_routes(app.router.routes))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
+import re
 import time
 import typing
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -66,22 +67,60 @@ def direct_routes(routes: Iterable[Any], paths: Iterable[str]) -> dict[str, Endp
         if path not in wanted or path in seen or "POST" not in (getattr(route, "methods", None) or ()):
             continue
         seen.add(path)
-        if isinstance(route, APIRoute) and _takes_the_request_alone(route.endpoint):
+        if isinstance(route, APIRoute) and _takes_the_request_alone(route.endpoint) is not None:
             found[path] = route.endpoint
     return found
 
 
-def _takes_the_request_alone(endpoint: Callable[..., Any]) -> bool:
+class Matcher(NamedTuple):
+    """A route as the router matches it: its path's pattern, its methods (None: any), and the
+    endpoint the Guard calls itself (None: the request goes to the router)."""
+
+    pattern: re.Pattern[str]
+    methods: frozenset[str] | None
+    convertors: Mapping[str, Any]
+    endpoint: Callable[..., Awaitable[Response]] | None
+    request_param: str  # the name the endpoint takes the request by
+
+
+def templated_routes(routes: Iterable[Any]) -> list[Matcher]:
+    """Every route in the router's order, for the JSON POST routes with ids in their path (a
+    session's cell, fork or snapshot): the first route whose pattern and method match a request's
+    is the one the router would take; the Guard calls it itself if its endpoint takes the path's
+    parameters (text) and the request, and nothing else, and answers a Response. A route the
+    router could take that is not described by a pattern ends the list: what follows it goes to the
+    router."""
+    found: list[Matcher] = []
+    for route in routes:
+        pattern = getattr(route, "path_regex", None)
+        if pattern is None:
+            break
+        convertors = getattr(route, "param_convertors", {})
+        methods = getattr(route, "methods", None)
+        name = _takes_the_request_alone(route.endpoint, set(convertors)) if isinstance(route, APIRoute) else None
+        found.append(Matcher(pattern, frozenset(methods) if methods is not None else None, convertors,
+                             route.endpoint if name is not None else None, name or ""))
+    return found
+
+
+def _takes_the_request_alone(endpoint: Callable[..., Any], path_params: Iterable[str] = ()) -> str | None:
+    """The name of its request parameter, if `endpoint` is a coroutine taking `request: Request` and,
+    as text, each of `path_params`, and nothing else, and answering a Response; else None."""
     if not inspect.iscoroutinefunction(endpoint):
-        return False
+        return None
     try:
         hints = typing.get_type_hints(endpoint)
     except (NameError, TypeError):
-        return False
-    params = list(inspect.signature(endpoint).parameters.values())
+        return None
+    params = [p for p in inspect.signature(endpoint).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    texts = {p.name for p in params if hints.get(p.name) is str}
+    requests = [p.name for p in params if hints.get(p.name) is Request]
     returned = hints.get("return")
-    return (len(params) == 1 and hints.get(params[0].name) is Request
-            and isinstance(returned, type) and issubclass(returned, Response))
+    takes = len(inspect.signature(endpoint).parameters) == len(params) == len(texts) + 1
+    if (takes and len(requests) == 1 and texts == set(path_params) and isinstance(returned, type)
+            and issubclass(returned, Response)):
+        return requests[0]
+    return None
 
 
 class Guard:
@@ -96,12 +135,15 @@ class Guard:
     def __init__(self, app: Any, settings: GatewaySettings, json_paths: Iterable[str],
                  json_route: Callable[[str, str], bool] | None = None, parser: BodyParser | None = None,
                  ticketed: Callable[[dict[str, Any]], bool] | None = None,
-                 direct: Mapping[str, Endpoint] | None = None, handlers: Handlers | None = None) -> None:
+                 direct: Mapping[str, Endpoint] | None = None, templated: Sequence[Matcher] = (),
+                 handlers: Handlers | None = None) -> None:
         """`json_route(method, path)`: also a route that takes JSON (paths with ids in them);
         `parser`: what parses the bodies (its owner closes it); `ticketed(scope)`: a request that
         carries a ticket standing for the token (a worker's fetch of one problem package);
-        `direct` and `handlers`: read at each request (the app fills them once its routes exist)."""
+        `direct`, `templated` (see `templated_routes`) and `handlers`: read at each request (the app
+        fills them once its routes exist)."""
         self.direct: Mapping[str, Endpoint] = direct if direct is not None else {}
+        self.templated = templated
         self.handlers: Handlers = handlers if handlers is not None else {}
         self.ticketed = ticketed
         self.app = app
@@ -157,7 +199,7 @@ class Guard:
                     message: dict[str, Any] = await receive()
                     return message
 
-                endpoint = self.direct.get(scope["path"]) if listed else None
+                endpoint = self.direct.get(scope["path"]) if listed else self._templated(scope)
                 if endpoint is None:
                     await self.app(scope, replay, send)
                 else:
@@ -167,6 +209,22 @@ class Guard:
             await JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _templated(self, scope: dict[str, Any]) -> Endpoint | None:
+        """The endpoint of the first route that takes this POST (see `templated_routes`), with the
+        path's parameters bound and left in the scope as the router leaves them; None: the router's."""
+        path = scope["path"]
+        for matcher in self.templated:
+            match = matcher.pattern.match(path)
+            if match is None or (matcher.methods is not None and "POST" not in matcher.methods):
+                continue
+            if matcher.endpoint is None:
+                return None
+            params = {name: matcher.convertors[name].convert(value) for name, value in match.groupdict().items()}
+            scope["path_params"] = params
+            endpoint, name = matcher.endpoint, matcher.request_param
+            return lambda request: endpoint(**params, **{name: request})
+        return None
 
     async def _call(self, endpoint: Endpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """A direct route's endpoint, its error answered by the app's handler for it (by the class's

@@ -1,0 +1,95 @@
+"""The Guard calls JSON POST endpoints itself (codeenv/api/guard.py): the same route and the same
+answers as the router would give, errors through the app's exception handlers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from codeenv.api.guard import JSON_BODY, Guard, Matcher, direct_routes, templated_routes
+from codeenv.errors import ApiError
+from codeenv.settings import GatewaySettings
+
+pytestmark = pytest.mark.unit
+
+
+def make_app() -> tuple[FastAPI, list[Matcher], dict[str, Any]]:
+    app = FastAPI()
+    direct: dict[str, Any] = {}
+    templated: list[Matcher] = []
+    app.add_middleware(Guard, settings=GatewaySettings(), json_paths={"/plain"},
+                       json_route=lambda method, path: method == "POST" and path.startswith("/items/"),
+                       direct=direct, templated=templated, handlers=app.exception_handlers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+
+    @app.post("/plain")
+    async def plain(request: Request) -> Response:
+        body = request.scope[JSON_BODY]
+        if body.get("fail"):
+            raise ApiError(418, "asked to fail")
+        return JSONResponse({"route": "plain", "body": body})
+
+    @app.post("/items/special/run")  # before the templated route: it takes this path, as in the router
+    async def special(request: Request) -> Response:
+        return JSONResponse({"route": "special"})
+
+    @app.post("/items/{item_id}/run")
+    async def run(item_id: str, request: Request) -> Response:
+        if item_id == "missing":
+            raise ApiError(404, f"no item {item_id}")
+        return JSONResponse({"route": "run", "item": item_id, "params": request.path_params,
+                             "body": request.scope[JSON_BODY]})
+
+    def dependency() -> str:
+        return "solved"
+
+    @app.post("/items/{item_id}/dep")  # a dependency: FastAPI's router must solve it
+    async def dep(item_id: str, request: Request, value: str = Depends(dependency)) -> Response:
+        return JSONResponse({"route": "dep", "item": item_id, "value": value})
+
+    @app.get("/items/{item_id}/run")
+    async def show(item_id: str) -> dict[str, str]:
+        return {"route": "show", "item": item_id}
+
+    direct.update(direct_routes(app.router.routes, {"/plain"}))
+    templated.extend(templated_routes(app.router.routes))
+    return app, templated, direct
+
+
+def test_which_routes_are_called_directly() -> None:
+    _, templated, direct = make_app()
+    assert set(direct) == {"/plain"}
+    called = {m.pattern.pattern: m.endpoint.__name__ for m in templated
+              if m.endpoint is not None and m.methods == frozenset({"POST"})}
+    assert called == {"^/plain$": "plain", "^/items/special/run$": "special",
+                      "^/items/(?P<item_id>[^/]+)/run$": "run"}  # not dep: it has a dependency
+
+
+async def test_answers_are_the_routers() -> None:
+    app, _, _ = make_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
+        r = await client.post("/plain", json={"x": 1})
+        assert r.json() == {"route": "plain", "body": {"x": 1}}
+        r = await client.post("/plain", json={"fail": True})
+        assert (r.status_code, r.json()) == (418, {"detail": "asked to fail"})
+        r = await client.post("/items/special/run", json={})
+        assert r.json() == {"route": "special"}
+        r = await client.post("/items/a.b-c/run", json={"y": 2})
+        assert r.json() == {"route": "run", "item": "a.b-c", "params": {"item_id": "a.b-c"}, "body": {"y": 2}}
+        r = await client.post("/items/missing/run", json={})
+        assert (r.status_code, r.json()) == (404, {"detail": "no item missing"})
+        r = await client.post("/items/7/dep", json={})
+        assert r.json() == {"route": "dep", "item": "7", "value": "solved"}
+        r = await client.get("/items/7/run")
+        assert r.json() == {"route": "show", "item": "7"}
+        r = await client.post("/items/7/other", json={})
+        assert r.status_code == 404
+        r = await client.post("/items/7/run", content=b"{", headers={"content-type": "application/json"})
+        assert r.status_code == 400
