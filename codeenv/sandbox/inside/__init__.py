@@ -107,13 +107,14 @@ def main() -> NoReturn:
     pre.collect_generators()
     pre.make_stdio()
     gc.collect()
-    huge = proc.compact_heap()
     # Not in a session family: there a cell's fork touches fewer pages, so a cell limit of 1 MB is
     # accepted where it was refused, and the OOM killer then took the pre-cell process instead of the
     # cell (a score's weight is the group's limit, a few hundred pages here, while the two processes
     # map nearly the same pages; lowering the pre-cell's score below the worker's needs
-    # CAP_SYS_RESOURCE, which a worker in a container may lack).
+    # CAP_SYS_RESOURCE, which a worker in a container may lack). Before the heap is compacted: its
+    # trim gives back what the pass used.
     immortal = 0 if config.get("sessions") else proc.immortalize()
+    huge = proc.compact_heap()
     gc.freeze()
     proc.deaf_to_signals()  # again: a preload or the warm-up may have installed a handler
     workdir = Workdir(config["workdir"], config.get("workdir_tmpfs"))
