@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse, Response
 
 from codeenv.api.guard import JSON_BODY, Guard, Matcher, direct_routes, templated_routes
@@ -21,13 +21,25 @@ def make_app() -> tuple[FastAPI, list[Matcher], dict[str, Any]]:
     app = FastAPI()
     direct: dict[str, Any] = {}
     templated: list[Matcher] = []
-    app.add_middleware(Guard, settings=GatewaySettings(), json_paths={"/plain"},
+    app.add_middleware(Guard, settings=GatewaySettings(), json_paths={"/plain", "/shadowed/plain"},
                        json_route=lambda method, path: method == "POST" and path.startswith("/items/"),
                        direct=direct, templated=templated, handlers=app.exception_handlers)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
         return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+
+    @app.exception_handler(409)  # by status, as Starlette picks it for an HTTPException
+    async def conflict(_: Request, exc: Exception) -> Response:
+        return JSONResponse({"conflict": True}, 409)
+
+    @app.post("/shadowed/{anything}")  # takes /shadowed/plain before the static route below
+    async def shadowing(anything: str, request: Request) -> Response:
+        return JSONResponse({"route": "shadowing"})
+
+    @app.post("/shadowed/plain")
+    async def shadowed(request: Request) -> Response:
+        return JSONResponse({"route": "shadowed"})
 
     @app.post("/plain")
     async def plain(request: Request) -> Response:
@@ -44,6 +56,8 @@ def make_app() -> tuple[FastAPI, list[Matcher], dict[str, Any]]:
     async def run(item_id: str, request: Request) -> Response:
         if item_id == "missing":
             raise ApiError(404, f"no item {item_id}")
+        if item_id == "taken":
+            raise HTTPException(409, "taken")
         return JSONResponse({"route": "run", "item": item_id, "params": request.path_params,
                              "body": request.scope[JSON_BODY]})
 
@@ -58,18 +72,32 @@ def make_app() -> tuple[FastAPI, list[Matcher], dict[str, Any]]:
     async def show(item_id: str) -> dict[str, str]:
         return {"route": "show", "item": item_id}
 
-    direct.update(direct_routes(app.router.routes, {"/plain"}))
+    @app.post("/items/{item_id}/checked")  # its parameter validated by FastAPI
+    async def checked(request: Request, item_id: str = Path(pattern="^a+$")) -> Response:
+        return JSONResponse({"route": "checked"})
+
+    audited: list[str] = []
+    app.state.audited = audited
+    guarded = APIRouter(dependencies=[Depends(lambda: audited.append("seen"))])  # a router's dependency
+
+    @guarded.post("/items/{item_id}/audited")
+    async def audit(item_id: str, request: Request) -> Response:
+        return JSONResponse({"route": "audited"})
+
+    app.include_router(guarded)
+    direct.update(direct_routes(app.router.routes, {"/plain", "/shadowed/plain"}))
     templated.extend(templated_routes(app.router.routes))
     return app, templated, direct
 
 
 def test_which_routes_are_called_directly() -> None:
     _, templated, direct = make_app()
-    assert set(direct) == {"/plain"}
+    assert set(direct) == {"/plain"}  # not /shadowed/plain: the router takes another route for it
     called = {m.pattern.pattern: m.endpoint.__name__ for m in templated
               if m.endpoint is not None and m.methods == frozenset({"POST"})}
-    assert called == {"^/plain$": "plain", "^/items/special/run$": "special",
-                      "^/items/(?P<item_id>[^/]+)/run$": "run"}  # not dep: it has a dependency
+    # Not dep, checked or audited: FastAPI solves or validates something for them.
+    assert called == {"^/plain$": "plain", "^/items/special/run$": "special", "^/shadowed/(?P<anything>[^/]+)$":
+                      "shadowing", "^/shadowed/plain$": "shadowed", "^/items/(?P<item_id>[^/]+)/run$": "run"}
 
 
 async def test_answers_are_the_routers() -> None:
@@ -93,3 +121,13 @@ async def test_answers_are_the_routers() -> None:
         assert r.status_code == 404
         r = await client.post("/items/7/run", content=b"{", headers={"content-type": "application/json"})
         assert r.status_code == 400
+        r = await client.post("/items/taken/run", json={})
+        assert (r.status_code, r.json()) == (409, {"conflict": True})
+        r = await client.post("/shadowed/plain", json={})
+        assert r.json() == {"route": "shadowing"}
+        r = await client.post("/items/bbb/checked", json={})
+        assert r.status_code == 422
+        r = await client.post("/items/aa/checked", json={})
+        assert r.json() == {"route": "checked"}
+        r = await client.post("/items/7/audited", json={})
+        assert r.json() == {"route": "audited"} and app.state.audited == ["seen"]

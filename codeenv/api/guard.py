@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -52,23 +53,22 @@ Handlers = Mapping[Any, Callable[[Request, Exception], Any]]
 
 def direct_routes(routes: Iterable[Any], paths: Iterable[str]) -> dict[str, Endpoint]:
     """The JSON POST routes the Guard calls itself, path -> endpoint, instead of handing the request
-    to the router: those whose path is one of `paths` (no parameters in it), whose endpoint takes
-    the request alone (no dependency, nothing for FastAPI to solve) and answers a Response (which
-    FastAPI passes on as it is). Only the first route of a path counts, as in the router.
+    to the router: for each of `paths` (no parameters in them), the route the router takes for a
+    POST to it (the first whose pattern and method match), if its endpoint takes the request alone
+    (nothing for FastAPI to solve or validate) and answers a Response (which FastAPI passes on as it
+    is).
 
     For these the router's walk (every route matched in turn), FastAPI's request handler and its
     middleware layers were a third of a request's work in the gateway (`benchmarks/counts.py`) and
     did nothing: the Guard has read and parsed the body already, and the endpoint answers through
     the app's own exception handlers as before.
     """
-    wanted, found, seen = set(paths), {}, set()
-    for route in routes:
-        path = getattr(route, "path", None)
-        if path not in wanted or path in seen or "POST" not in (getattr(route, "methods", None) or ()):
-            continue
-        seen.add(path)
-        if isinstance(route, APIRoute) and _takes_the_request_alone(route.endpoint) is not None:
-            found[path] = route.endpoint
+    matchers = templated_routes(routes)
+    found: dict[str, Endpoint] = {}
+    for path in paths:
+        taken = _first(matchers, path)
+        if taken is not None and taken[0].endpoint is not None and not taken[0].convertors:
+            found[path] = taken[0].endpoint
     return found
 
 
@@ -97,27 +97,43 @@ def templated_routes(routes: Iterable[Any]) -> list[Matcher]:
             break
         convertors = getattr(route, "param_convertors", {})
         methods = getattr(route, "methods", None)
-        name = _takes_the_request_alone(route.endpoint, set(convertors)) if isinstance(route, APIRoute) else None
+        name = _request_param(route) if isinstance(route, APIRoute) else None
         found.append(Matcher(pattern, frozenset(methods) if methods is not None else None, convertors,
                              route.endpoint if name is not None else None, name or ""))
     return found
 
 
-def _takes_the_request_alone(endpoint: Callable[..., Any], path_params: Iterable[str] = ()) -> str | None:
-    """The name of its request parameter, if `endpoint` is a coroutine taking `request: Request` and,
-    as text, each of `path_params`, and nothing else, and answering a Response; else None."""
-    if not inspect.iscoroutinefunction(endpoint):
+def _first(matchers: Iterable[Matcher], path: str) -> tuple[Matcher, re.Match[str]] | None:
+    """The route the router takes for a POST to `path`, with its match; None: no route listed does."""
+    for matcher in matchers:
+        match = matcher.pattern.match(path)
+        if match is not None and (matcher.methods is None or "POST" in matcher.methods):
+            return matcher, match
+    return None
+
+
+def _request_param(route: APIRoute) -> str | None:
+    """The name of its request parameter, if the route's endpoint is a coroutine that takes
+    `request: Request` and, as text with no default, each of the path's parameters, and nothing
+    else (no dependency, of its own or its router's: nothing for FastAPI to solve or validate), and
+    answers a Response; else None."""
+    endpoint, dependant = route.endpoint, route.dependant
+    if (not inspect.iscoroutinefunction(endpoint) or route.dependencies or dependant.dependencies
+            or dependant.query_params or dependant.header_params or dependant.cookie_params
+            or dependant.body_params or dependant.request_param_name is None):
         return None
     try:
         hints = typing.get_type_hints(endpoint)
     except (NameError, TypeError):
         return None
-    params = [p for p in inspect.signature(endpoint).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    params = list(inspect.signature(endpoint).parameters.values())
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.default is not p.empty for p in params):
+        return None
     texts = {p.name for p in params if hints.get(p.name) is str}
     requests = [p.name for p in params if hints.get(p.name) is Request]
     returned = hints.get("return")
-    takes = len(inspect.signature(endpoint).parameters) == len(params) == len(texts) + 1
-    if (takes and len(requests) == 1 and texts == set(path_params) and isinstance(returned, type)
+    if (len(params) == len(texts) + 1 and requests == [dependant.request_param_name]
+            and texts == set(route.param_convertors) and isinstance(returned, type)
             and issubclass(returned, Response)):
         return requests[0]
     return None
@@ -211,35 +227,39 @@ class Guard:
         await self.app(scope, receive, send)
 
     def _templated(self, scope: dict[str, Any]) -> Endpoint | None:
-        """The endpoint of the first route that takes this POST (see `templated_routes`), with the
-        path's parameters bound and left in the scope as the router leaves them; None: the router's."""
-        path = scope["path"]
-        for matcher in self.templated:
-            match = matcher.pattern.match(path)
-            if match is None or (matcher.methods is not None and "POST" not in matcher.methods):
-                continue
-            if matcher.endpoint is None:
-                return None
-            params = {name: matcher.convertors[name].convert(value) for name, value in match.groupdict().items()}
-            scope["path_params"] = params
-            endpoint, name = matcher.endpoint, matcher.request_param
-            return lambda request: endpoint(**params, **{name: request})
-        return None
+        """The endpoint of the route that takes this POST (see `templated_routes`), with the path's
+        parameters bound and left in the scope as the router leaves them; None: the router's."""
+        found = _first(self.templated, scope["path"])
+        if found is None or found[0].endpoint is None:
+            return None
+        matcher, match = found
+        params = {name: matcher.convertors[name].convert(value) for name, value in match.groupdict().items()}
+        scope["path_params"] = params
+        endpoint, name = matcher.endpoint, matcher.request_param
+        return lambda request: endpoint(**params, **{name: request})
 
     async def _call(self, endpoint: Endpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """A direct route's endpoint, its error answered by the app's handler for it (by the class's
-        MRO, as Starlette does); one without a handler goes on up (a 500)."""
+        """A direct route's endpoint, its error answered by the app's handler for it as Starlette's
+        ExceptionMiddleware picks it (an HTTPException's status first, then the class's MRO; the
+        handlers of 500 and Exception are the server error middleware's: such an error goes on up)."""
         request = Request(scope, receive, send)
         try:
             response = await endpoint(request)
         except Exception as exc:
-            handler = next((self.handlers[c] for c in type(exc).__mro__ if c in self.handlers), None)
+            handler = None
+            if isinstance(exc, StarletteHTTPException) and exc.status_code != 500:
+                handler = self.handlers.get(exc.status_code)
+            if handler is None:
+                handler = next((self.handlers[c] for c in type(exc).__mro__
+                                if c in self.handlers and c is not Exception), None)
             if handler is None:
                 raise
             if inspect.iscoroutinefunction(handler):
                 response = await handler(request, exc)
             else:
                 response = await run_in_threadpool(handler, request, exc)
+            if response is None:
+                return
         await response(scope, receive, send)
 
     def _check_browser(self, headers: dict[bytes, bytes], scheme: str) -> None:

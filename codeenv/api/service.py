@@ -181,13 +181,15 @@ class Gateway:
         gone = asyncio.Event()
 
         async def watch_disconnect() -> None:
-            # Starlette has no disconnect event to wait on here: poll it, cheaply.
+            # Starlette has no disconnect event to wait on here: poll it, cheaply. The first look
+            # takes the Guard's replayed body (a disconnect, once seen, stays seen).
+            await request.is_disconnected()
             while not await request.is_disconnected():  # noqa: ASYNC110
                 await asyncio.sleep(DISCONNECT_POLL_S)
             gone.set()
 
-        # The watch starts after one poll interval, as its second look did: most calls have ended by
-        # then, and made no task of it.
+        # The watch starts after one poll interval, when its second look did: most calls have ended
+        # by then, and made no task of it.
         watchers: list[asyncio.Task[None]] = []
         loop = asyncio.get_running_loop()
         timer = loop.call_later(DISCONNECT_POLL_S, lambda: watchers.append(loop.create_task(watch_disconnect())))
