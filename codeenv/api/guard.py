@@ -230,12 +230,14 @@ class Guard:
         """The endpoint of the route that takes this POST (see `templated_routes`), with the path's
         parameters bound and left in the scope as the router leaves them; None: the router's."""
         found = _first(self.templated, scope["path"])
-        if found is None or found[0].endpoint is None:
+        if found is None:
             return None
         matcher, match = found
-        params = {name: matcher.convertors[name].convert(value) for name, value in match.groupdict().items()}
-        scope["path_params"] = params
         endpoint, name = matcher.endpoint, matcher.request_param
+        if endpoint is None:
+            return None
+        params = {key: matcher.convertors[key].convert(value) for key, value in match.groupdict().items()}
+        scope["path_params"] = params
         return lambda request: endpoint(**params, **{name: request})
 
     async def _call(self, endpoint: Endpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
