@@ -84,12 +84,12 @@ class Matcher(NamedTuple):
 
 
 def templated_routes(routes: Iterable[Any]) -> list[Matcher]:
-    """Every route in the router's order, for the JSON POST routes with ids in their path (a
-    session's cell, fork or snapshot): the first route whose pattern and method match a request's
-    is the one the router would take; the Guard calls it itself if its endpoint takes the path's
-    parameters (text) and the request, and nothing else, and answers a Response. A route the
-    router could take that is not described by a pattern ends the list: what follows it goes to the
-    router."""
+    """Every route in the router's order: the first whose pattern and method match a POST is the
+    one the router would take (for the routes with ids in their path, a session's cell, fork or
+    snapshot, looked up per request; for the others once, by `direct_routes`). The Guard calls it
+    itself if its endpoint takes the path's parameters (text) and the request, and nothing else,
+    and answers a Response. A route that is not described by a pattern ends the list: what
+    follows it goes to the router."""
     found: list[Matcher] = []
     for route in routes:
         pattern = getattr(route, "path_regex", None)
