@@ -242,3 +242,35 @@ def test_the_readme_lists_every_field_code_judge_requests_take() -> None:
     documented = {name for row in table.splitlines()[2:]
                   for name in re.findall(r"`(\w+)(?:: \"\w+\")?`", row.split("|")[1])}
     assert documented == set(Submission.model_fields) | set(BatchSubmission.model_fields), documented
+
+
+def test_host_pids_maps_each_namespace_pid_reading_each_status_once() -> None:
+    """A fork batch's pids in its family's namespace, mapped to ours in one pass (session_forks)."""
+    import subprocess
+    import time
+
+    from codeenv.sandbox.outside.process import host_pid, host_pids
+
+    if os.geteuid() != 0:
+        pytest.skip("a pid namespace of its own needs root here")
+
+    def children(pid: int) -> list[int]:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    # PID 1 of a new pid namespace (its init dies with unshare, and every process of it with its init)
+    # and PID 2 there, its child
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--", "sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (children(outer.pid) and children(children(outer.pid)[0])):
+            assert time.monotonic() < deadline, "the namespace's processes did not start"
+            time.sleep(0.01)
+        first = children(outer.pid)[0]
+        second = children(first)[0]
+        candidates = [os.getpid(), outer.pid, first, second, 2 ** 22 + 1]  # the last: no such process
+        assert host_pids(candidates, [2, 1, 7]) == {1: first, 2: second}
+        assert host_pids(candidates, []) == {}
+        assert host_pid(candidates, 2) == second and host_pid(candidates, 7) is None
+    finally:
+        outer.kill()
+        outer.wait()

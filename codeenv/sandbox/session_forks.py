@@ -19,7 +19,7 @@ from typing import Protocol
 from codeenv.errors import InvalidRequest, SandboxError, SessionError, SessionErrorKind, session_lost
 from codeenv.sandbox.cgroups import JailCgroup
 from codeenv.sandbox.outside.family import SNAPSHOT, Family, Session
-from codeenv.sandbox.outside.process import host_pid
+from codeenv.sandbox.outside.process import host_pids
 from codeenv.settings import SandboxSettings
 
 logger = logging.getLogger("codeenv.sandbox.sessions")
@@ -163,9 +163,9 @@ async def _close_forks(m: SessionManager, family: Family, indexes: list[int]) ->
 def _move_forks(m: SessionManager, family: Family, parent: int, ns_pids: list[int],
                 groups: list[JailCgroup]) -> None:
     m.moved = time.monotonic()
-    procs = family.groups[parent].procs()
+    found = host_pids(family.groups[parent].procs(), ns_pids)
     for ns_pid, group in zip(ns_pids, groups, strict=True):
-        pid = host_pid(procs, ns_pid)
+        pid = found.get(ns_pid)
         if pid is None:
             raise SandboxError(f"the session process {ns_pid} of the family is not in its group "
                                f"{family.groups[parent].name}")

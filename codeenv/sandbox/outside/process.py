@@ -89,17 +89,28 @@ def jail_init_pid(nsjail_pid: int) -> int:
 
 def host_pid(candidates: Iterable[int], ns_pid: int) -> int | None:
     """Which of `candidates` (pids in our namespace) is `ns_pid` in its own innermost pid namespace."""
+    return host_pids(candidates, [ns_pid]).get(ns_pid)
+
+
+def host_pids(candidates: Iterable[int], ns_pids: Iterable[int]) -> dict[int, int]:
+    """Which of `candidates` (pids in our namespace) is each of `ns_pids` in its own innermost pid
+    namespace: {ns_pid: pid} for those found, each candidate's status read at most once."""
+    wanted = {str(n): n for n in ns_pids}
+    found: dict[int, int] = {}
     for pid in candidates:
+        if len(found) == len(wanted):
+            break
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         for line in status.splitlines():
             if line.startswith("NSpid:"):
-                if line.split()[-1] == str(ns_pid):
-                    return pid
+                ns_pid = wanted.get(line.split()[-1])
+                if ns_pid is not None:
+                    found[ns_pid] = pid
                 break
-    return None
+    return found
 
 
 def signals_caught(pid: int) -> str:
