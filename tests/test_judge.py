@@ -287,6 +287,37 @@ async def test_a_test_that_ends_the_submissions_process_is_judged_as_if_alone(ap
     assert statuses(result) == ["passed", "wrong_answer"] and result["tests"][1]["value"] == [2, ""]
 
 
+@pytest.mark.jail
+async def test_the_next_tests_files_made_ahead_are_never_left_open(api: httpx.AsyncClient) -> None:
+    """While a test runs, the next one's files are made (sandbox/judge.py): whatever ends the run
+    (the last test, stop_on_failure, a subtask failed, a test that ends the submission's process),
+    none of them stays open in the worker, and each test still gets its own input."""
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    tests = stdin_tests(("1 1", "2"), ("1 1", "3"), ("2 2", "4"), ("3 3", "6"))
+    ending = ("import os, signal\nline = input()\nif line == 'b':\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+              "print(line)")
+
+    async def each_way() -> None:
+        assert statuses(await judge(api, code=ADD, tests=tests)) == ["passed", "wrong_answer", "passed", "passed"]
+        stopped = await judge(api, code=ADD, tests=tests, stop_on_failure=True)
+        assert statuses(stopped) == ["passed", "wrong_answer", "skipped", "skipped"]
+        subtasks = await judge(api, code=ADD, tests=tests, subtasks=[{"points": 1, "tests": [0, 1]},
+                                                                     {"points": 1, "tests": [2, 3]}])
+        assert statuses(subtasks) == ["passed", "wrong_answer", "passed", "passed"]
+        alone = await judge(api, code=ending, tests=stdin_tests(("a", "a"), ("b", "b"), ("c", "x"), ("d", "d")))
+        assert statuses(alone) == ["passed", "passed", "wrong_answer", "passed"]
+
+    await each_way()  # the pool's own files (a jail recycled after the test that ended its process)
+    before = fds()
+    for _ in range(3):
+        await each_way()
+    assert fds() == before
+
+
 # --- function-call tests ------------------------------------------------------------------------------
 
 

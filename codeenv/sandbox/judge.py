@@ -17,6 +17,8 @@ Usage (on a worker, with the slot's zygote locked)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -381,8 +383,22 @@ class _Judging:
         return True
 
     async def run_tests(self, sub: Submission | None) -> None:
-        """Tests in the prepared process while it lives (and time remains)."""
+        """Tests in the prepared process while it lives (and time remains). While a test runs, the
+        next one's files are made (`Submission.prepare_next`): the jail waits for none of that."""
         assert sub is not None
+        report = report_bytes(self.limits)
+
+        def prepare_next(i: int) -> None:
+            if i < len(self.tests):
+                with contextlib.suppress(OSError):  # e.g. out of fds: the test makes its own, or says why not
+                    sub.prepare_next(i, *_test_input(self.tests[i], self.spec), report)
+
+        try:
+            await self._run_tests(sub, report, prepare_next)
+        finally:
+            sub.drop_next()  # made for a test that will not run in this process (or not next)
+
+    async def _run_tests(self, sub: Submission, report: int, prepare_next: Callable[[int], None]) -> None:
         while self.index < len(self.tests) and sub.alive:
             if time.monotonic() > self.deadline:
                 break
@@ -390,8 +406,9 @@ class _Judging:
                 observed = await self.talk(sub, self.index)
             else:
                 args, stdin = _test_input(self.tests[self.index], self.spec)
-                observed = await sub.test(self.index, args, stdin, self.limits.output_bytes,
-                                          report_bytes(self.limits), file_io=self.spec.input_mode == "file")
+                observed = await sub.test(self.index, args, stdin, self.limits.output_bytes, report,
+                                          file_io=self.spec.input_mode == "file",
+                                          meanwhile=functools.partial(prepare_next, self.index + 1))
             if (observed.lost is not None and not (observed.cpu_exceeded or observed.wall_exceeded)
                     and self.spec.interactor is None and self.spec.input_mode != "file"):
                 # (an interactive test, or one with files, is not run again alone)

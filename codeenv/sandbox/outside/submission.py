@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,6 +99,9 @@ class Submission:
         self.lost: str | None = None
         self.outcome: Outcome | None = None
         self.shared = SharedFds.make()
+        #: The next test's files, made while the test before it ran (`prepare_next`): (its index, args,
+        #: stdin, report size, the files).
+        self._next: tuple[int, bytes, bytes, int, CallFiles] | None = None
 
     @property
     def alive(self) -> bool:
@@ -121,15 +125,42 @@ class Submission:
             self.zygote.send({"op": Ctl.KILL, "seq": self.seq})
         return None
 
+    def prepare_next(self, index: int, args: bytes, stdin: bytes, report_bytes: int) -> None:
+        """Make test `index`'s files now (its input's memfd, its output pipes), while the test before it
+        runs: `test` takes them if it is asked for that test with that input. Nothing else is done
+        ahead: its cgroup figures are read as it starts and ends."""
+        self.drop_next()
+        self._next = (index, args, stdin, report_bytes, CallFiles(args, stdin, None, None, 0, report_bytes,
+                                                                  shared=self.shared))
+
+    def drop_next(self) -> None:
+        if self._next is not None:
+            files = self._next[4]
+            self._next = None
+            files.close_theirs()
+            files.close()
+
+    def _files(self, index: int, args: bytes, stdin: bytes, report_bytes: int) -> CallFiles:
+        """Test `index`'s files: those made ahead for it (`prepare_next`), else new ones."""
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead[:4] == (index, args, stdin, report_bytes):
+            return ahead[4]
+        if ahead is not None:
+            ahead[4].close_theirs()
+            ahead[4].close()
+        return CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared)
+
     async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int,
                    talk: tuple[int, int] | None = None, file_io: bool = False,
-                   procs: tuple[list[dict[str, Any]], list[int]] | None = None) -> TestOutcome:
+                   procs: tuple[list[dict[str, Any]], list[int]] | None = None,
+                   meanwhile: Callable[[], None] | None = None) -> TestOutcome:
         """Run one test in a fresh child of the prepared process; its limits are the call's, less
         the preparation's CPU time. `talk`: an interactive test's stdin and stdout (CallFiles);
         `file_io`: its input is input.txt in the work dir and its output output.txt, which the
         submission's process sends as its stdout. `procs`: a compiled program run as several
         processes at once (their argv and fds, by index in the message's fds; the fds sent after
-        the call's), each under the test's limits."""
+        the call's), each under the test's limits. `meanwhile`: called once the test has started
+        (e.g. to prepare the next one's files while this one runs)."""
         z, limits = self.zygote, self.limits
         out = TestOutcome(report_bytes=report_bytes)
         oom0, pids0 = z.cgroup.oom_kills(), z.cgroup.pids_limit_hits()
@@ -146,8 +177,12 @@ class Submission:
             with contextlib.suppress(OSError):
                 self.sock.send(encode({"op": Judge.KILL}))
 
-        with CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared, talk=talk,
-                       extra=procs[1] if procs is not None else None) as files:
+        if talk is None and procs is None:
+            files = self._files(index, args, stdin, report_bytes)
+        else:
+            files = CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared, talk=talk,
+                              extra=procs[1] if procs is not None else None)
+        with files:
             try:
                 socket.send_fds(self.sock, [encode({
                     "op": Judge.TEST, "i": index, "cpu_s": max(1, int(budget + 1.999)), "wall_s": limits.wall_s,
@@ -162,6 +197,8 @@ class Submission:
                 files.close_theirs()
             t0 = time.monotonic()
             drains = files.drain(loop, output_cap, overflow)
+            if meanwhile is not None:
+                meanwhile()
             # The process ends the test at its wall limit; a little slack before the jail does it.
             data, why = await self.receive(limits.wall_s + z.settings.kill_grace_s, int(processes * budget * 1e9),
                                            cpu0)
@@ -183,8 +220,9 @@ class Submission:
                     out.done = TestDone.parse(msg)
                 except ValueError:
                     self.lost = out.lost = "the submission's process sent a malformed message"
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), z.settings.control_timeout_s)
+            if not all(d.done.done() for d in drains):  # (most often both saw their end with the "done")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*(d.done for d in drains)), z.settings.control_timeout_s)
             out.stdout, out.stderr = bytes(drains[0].buf), bytes(drains[1].buf)
             out.report = take_report(self.shared.report_fd, report_bytes)
             setup = take_report(self.shared.setup_fd, REPORT_BYTES)
@@ -211,6 +249,7 @@ class Submission:
         """Drop the worker's fds of a call that will not be closed (cancelled; its jail is recycled)."""
         if self.outcome is not None:
             return
+        self.drop_next()
         self.sock.close()
         self.call.close()
         self.shared.close()
@@ -222,6 +261,7 @@ class Submission:
             return self.outcome
         z = self.zygote
         out = Outcome()
+        self.drop_next()
         self.sock.close()
         with contextlib.suppress(ZygoteDied):
             z.send({"op": Ctl.KILL, "seq": self.seq})
