@@ -229,21 +229,27 @@ class Submission:
             if setup is not None:
                 out.setup_error = str(setup.get("setup_error", "unknown"))[:500]
         with contextlib.suppress(OSError, ValueError):
-            out.oom_killed = z.cgroup.oom_kills() > oom0
-            out.pids_limit_hit = z.cgroup.pids_limit_hits() > pids0
-            cpu1 = z.cgroup.cpu_usage_ns()
-            own = out.done.cpu_s if out.done is not None else None
-            if own is None and cpu0 is not None and cpu1 is not None:
-                own = (cpu1 - cpu0) / 1e9
-            out.cpu_s = self.prep_cpu_s + (own or 0.0)
-            if out.cpu_exceeded:
-                out.cpu_s = max(out.cpu_s, limits.cpu_s)
-            peak = z.cgroup.memory_peak()
-            if peak is not None:
-                out.memory_peak_kb = max(0, peak - self.usage0) >> 10
-            elif out.done is not None:
-                out.memory_peak_kb = out.done.maxrss_kb
+            self._charge(out, oom0, pids0, cpu0)
         return out
+
+    def _charge(self, out: TestOutcome, oom0: int, pids0: int, cpu0: int | None) -> None:
+        """What the jail's cgroup says of the test that just ended (its figures read as it started):
+        an OOM kill, the pids limit hit, its CPU time and its memory peak."""
+        cgroup = self.zygote.cgroup
+        out.oom_killed = cgroup.oom_kills() > oom0
+        out.pids_limit_hit = cgroup.pids_limit_hits() > pids0
+        cpu1 = cgroup.cpu_usage_ns()
+        own = out.done.cpu_s if out.done is not None else None
+        if own is None and cpu0 is not None and cpu1 is not None:
+            own = (cpu1 - cpu0) / 1e9
+        out.cpu_s = self.prep_cpu_s + (own or 0.0)
+        if out.cpu_exceeded:
+            out.cpu_s = max(out.cpu_s, self.limits.cpu_s)
+        peak = cgroup.memory_peak()
+        if peak is not None:
+            out.memory_peak_kb = max(0, peak - self.usage0) >> 10
+        elif out.done is not None:
+            out.memory_peak_kb = out.done.maxrss_kb
 
     def abandon(self) -> None:
         """Drop the worker's fds of a call that will not be closed (cancelled; its jail is recycled)."""
