@@ -390,7 +390,9 @@ class _Judging:
 
         def prepare_next(i: int) -> None:
             if i < len(self.tests):
-                with contextlib.suppress(OSError):  # e.g. out of fds: the test makes its own, or says why not
+                # Ahead of time and only an aid: whatever fails here (out of fds, say) fails again, and is
+                # answered, where the test itself makes its files; never in the test running now.
+                with contextlib.suppress(Exception):
                     sub.prepare_next(i, *_test_input(self.tests[i], self.spec), report)
 
         try:
