@@ -142,12 +142,10 @@ class Submission:
 
     def _files(self, index: int, args: bytes, stdin: bytes, report_bytes: int) -> CallFiles:
         """Test `index`'s files: those made ahead for it (`prepare_next`), else new ones."""
-        ahead, self._next = self._next, None
-        if ahead is not None and ahead[:4] == (index, args, stdin, report_bytes):
-            return ahead[4]
-        if ahead is not None:
-            ahead[4].close_theirs()
-            ahead[4].close()
+        if self._next is not None and self._next[:4] == (index, args, stdin, report_bytes):
+            files, self._next = self._next[4], None
+            return files
+        self.drop_next()  # made for another test (or another input)
         return CallFiles(args, stdin, None, None, 0, report_bytes, shared=self.shared)
 
     async def test(self, index: int, args: bytes, stdin: bytes, output_cap: int, report_bytes: int,
