@@ -1,5 +1,6 @@
 """What a client's own HTTP stack adds to a call's latency: the part of a bench's end-to-end time that
-no gateway can see (issue 42: the live page counts from the gateway's receipt of a request).
+no gateway can see (issue 42: the live page counts from the gateway's receipt of a request to its
+answer's sending).
 
     python benchmarks/client_floor.py [--requests 300] [--rounds 3] [--json out.json]
 
@@ -9,8 +10,9 @@ one keep-alive connection, in turns within each round:
 - **raw**: the request's bytes written on a plain socket (TCP_NODELAY) and the answer read to its
   last byte: the floor of any client;
 - **httpx sync**: `httpx.Client`;
-- **httpx async**: `httpx.AsyncClient` on asyncio's own loop (what `codeenv bench`, the codeenv
-  client and most RL trainers' agent loops use), and on uvloop's where uvloop is installed.
+- **httpx async**: `httpx.AsyncClient` on asyncio's own loop (what the codeenv client and most RL
+  trainers' agent loops use), and on uvloop's where uvloop is installed;
+- **aiohttp**: `aiohttp.ClientSession` on asyncio's loop (what `codeenv bench`'s generators use).
 
 For `GET /healthz` (no work) and `POST /v1/execute` of `print(1)`. Reported: each client's p50 per
 round, the median over rounds, and each one's excess over raw (what the client itself costs).
@@ -94,6 +96,23 @@ async def async_round(url: str, n: int) -> dict[str, float]:
                                                                    headers={"content-type": "application/json"}))}
 
 
+async def aiohttp_round(url: str, n: int) -> dict[str, float]:
+    import aiohttp
+
+    async def get() -> bytes:
+        async with session.get("/healthz") as response:
+            return await response.read()
+
+    async def post() -> bytes:
+        async with session.post("/v1/execute", data=BODY, headers={"content-type": "application/json"}) as response:
+            return await response.read()
+
+    async with aiohttp.ClientSession(base_url=url) as session:
+        for _ in range(20):
+            await get()
+        return {"healthz": await timed_async(n, get), "execute": await timed_async(n, post)}
+
+
 def one_round(url: str, port: int, n: int) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     raw = Raw(port)
@@ -117,6 +136,12 @@ def one_round(url: str, port: int, n: int) -> dict[str, dict[str, float]]:
         pass
     else:
         figures["httpx async (uvloop)"] = uvloop.run(async_round(url, n))
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        figures["aiohttp (asyncio)"] = asyncio.run(aiohttp_round(url, n))
     return figures
 
 

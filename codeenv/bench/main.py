@@ -11,13 +11,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from codeenv.bench.apis import SERVICE_ERRORS, api
+from codeenv.bench.apis import SERVICE_ERRORS, Http, api
 from codeenv.bench.limit import LimitReport, cores, measure_limit
 from codeenv.bench.report import RunningThroughput, plot, ratios, summarize, warnings
 from codeenv.bench.runner import Part, Record, RoundResult, run_round
@@ -77,7 +76,7 @@ def _limit(opts: Options, calls: list[Call], console: Console, write_expect: boo
 def _check(url: str, api_name: str) -> None:
     async def go() -> None:
         speaker = api(api_name)
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with Http(url, timeout_s=60) as client:
             await speaker.start(url)
             try:
                 await speaker.check(client)

@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-import httpx
-
-from codeenv.bench.apis import SERVICE_ERRORS, Outcome, api
+from codeenv.bench.apis import SERVICE_ERRORS, Http, Outcome, api
 from codeenv.bench.traffic import Item, split
 from codeenv.bench.workload import Call, Expected
 
@@ -72,11 +70,8 @@ async def _generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
     speaker = api(part.api)
     buffer: list[Record] = []
     connections = part.concurrency if part.mode == "concurrency" else len({i[1] for i in part.items}) or 1
-    limits = httpx.Limits(max_connections=connections if part.mode != "rate" else None,
-                          max_keepalive_connections=min(connections, 1000))
-    timeout = httpx.Timeout(part.http_timeout_s, connect=10)
 
-    async def one(client: httpx.AsyncClient, item: Item, origin: float, scheduled: float) -> None:
+    async def one(client: Http, item: Item, origin: float, scheduled: float) -> None:
         call = part.calls[item[3]]
         sent = time.monotonic()
         result: Outcome = await speaker.call(client, call)
@@ -97,7 +92,7 @@ async def _generate(part: Part, barrier: Barrier, out: mp.Queue[Any]) -> None:
             out.put(("records", buffer.copy()))
             buffer.clear()
 
-    async with httpx.AsyncClient(base_url=part.url, timeout=timeout, limits=limits) as client:
+    async with Http(part.url, part.http_timeout_s, connections if part.mode != "rate" else None) as client:
         await speaker.start(part.url)
         flushing = asyncio.create_task(flusher())
         try:
