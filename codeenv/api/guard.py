@@ -34,6 +34,9 @@ from codeenv.settings import GatewaySettings
 
 #: Where Guard leaves the time (monotonic) a request arrived: its calls' queue wait starts there.
 ACCEPTED = "codeenv.accepted"
+#: Where Guard leaves a list of what to run once a request's answer is sent (or the request ended
+#: otherwise): its calls' end to end and overhead are observed there.
+ANSWERED = "codeenv.answered"
 #: Where Guard leaves a request's parsed JSON body.
 JSON_BODY = "codeenv.json"
 #: The live page's own files, which hold no data (its data, /v1/live, needs the token): open without
@@ -177,6 +180,15 @@ class Guard:
             await self.app(scope, receive, send)
             return
         scope[ACCEPTED] = time.monotonic()
+        answered: list[Callable[[], None]] = []
+        scope[ANSWERED] = answered
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            for then in answered:
+                then()
+
+    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         try:
             headers = dict(scope["headers"])
             self._check_browser(headers, scope.get("scheme", "http"))

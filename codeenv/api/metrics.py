@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -26,6 +27,15 @@ SESSION_API = "session"
 API_OF = (("/v1/sessions", SESSION_API), ("/v1/judge", "judge"), ("/v1/", "native"), ("/run_code", "sandbox_fusion"),
           ("/run", "code_judge"), ("/judge", "code_judge"), ("/execute_batch", "routers"),
           ("/morph/", "routers"), ("/execute", "nemo"), ("/api/v2/", "piston"), ("/mcp", "mcp"))
+
+
+def _observe_times(timed: list[tuple[Histogram, Histogram, float]], accepted: float) -> None:
+    """Each call's end to end (from `accepted` to now) and overhead (that less its queue wait and
+    run time), into its (end to end, overhead) histograms."""
+    total = max(0.0, time.monotonic() - accepted)
+    for end_to_end_s, overhead_s, inside in timed:
+        end_to_end_s.observe(total)
+        overhead_s.observe(max(0.0, total - inside))
 
 
 def api_of(path: str) -> str:
@@ -120,7 +130,7 @@ class Metrics:
                                 registry=registry)
         docs = {"queue": "Time a call waited for a slot", "run": "Wall time of a call's program",
                 "overhead": "A call's time in the service that is neither its wait for a slot nor its program's run",
-                "end_to_end": "From a call's arrival at the gateway to its answer"}
+                "end_to_end": "From a call's arrival at the gateway to its answer's sending"}
         self.latency = {key: Histogram(name, f"{docs[key]}, by API and profile", ["api", "profile"],
                                        registry=registry, buckets=LATENCY_BUCKETS)
                         for key, name in LATENCIES.items()}
@@ -142,11 +152,14 @@ class Metrics:
                            for key, doc in self.WORKER_FIGURES}
 
     def observe(self, results: Sequence[ExecResult], calls: Sequence[ExecRequest | None] = (),
-                accepted: float | None = None, api: str = "native") -> None:
+                accepted: float | None = None, api: str = "native",
+                answered: list[Callable[[], None]] | None = None) -> None:
         """Count `results`; `calls`, where given, are their requests (in order: a `step` label, a
         session cell); `accepted`: when (monotonic) the gateway took them, for their end-to-end time
-        and overhead; `api`: the API they came by (API_OF names them)."""
-        now = time.monotonic()
+        and overhead; `api`: the API they came by (API_OF names them). With `answered` (the Guard's
+        list for a request, run once the answer is sent) end to end and overhead end there, when the
+        answer has been encoded and handed to the connection; without it, now."""
+        timed: list[tuple[Histogram, Histogram, float]] = []
         # Counters by label are added up over the results first: one increment per label seen, not
         # one per call (a batch's calls mostly share a status, a judged call's tests too).
         statuses: dict[str, int] = {}
@@ -164,9 +177,7 @@ class Metrics:
                 queue_s.observe(r.queue_s)
                 run_s.observe(r.wall_s)
                 if accepted is not None:
-                    total = max(0.0, now - accepted)
-                    end_to_end_s.observe(total)
-                    overhead_s.observe(max(0.0, total - r.queue_s - r.wall_s))
+                    timed.append((end_to_end_s, overhead_s, r.queue_s + r.wall_s))
             if r.judge is not None:
                 self.judged.labels(judge_status(r).value).inc()
                 for test in r.judge.tests:
@@ -179,6 +190,12 @@ class Metrics:
                 if child is None:
                     child = self._counter_of[counter, label] = counter.labels(label)
                 child.inc(n)
+        if timed:
+            assert accepted is not None
+            if answered is None:
+                _observe_times(timed, accepted)
+            else:
+                answered.append(functools.partial(_observe_times, timed, accepted))
 
     def exposition(self) -> bytes:
         stats = self.queue.stats()

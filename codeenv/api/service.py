@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from codeenv.admission import answer_bytes, check
 from codeenv.api.contract import SESSION_KEY_PATHS
-from codeenv.api.guard import ACCEPTED, JSON_BODY
+from codeenv.api.guard import ACCEPTED, ANSWERED, JSON_BODY
 from codeenv.api.metrics import Metrics, api_of
 from codeenv.errors import ApiError, InvalidRequest
 from codeenv.models import SESSION_KEY_HEADER, ExecRequest, ExecResult, Refusal, Status
@@ -195,17 +195,19 @@ class Gateway:
         timer = loop.call_later(DISCONNECT_POLL_S, lambda: watchers.append(loop.create_task(watch_disconnect())))
         try:
             return await self.run_calls(requests, lambda: str(request.base_url), gone,
-                                        request.scope.get(ACCEPTED, time.monotonic()), api_of(request.scope["path"]))
+                                        request.scope.get(ACCEPTED, time.monotonic()), api_of(request.scope["path"]),
+                                        request.scope.get(ANSWERED))
         finally:
             timer.cancel()
             for watcher in watchers:
                 watcher.cancel()
 
     async def run_calls(self, requests: list[ExecRequest], base_url: Callable[[], str], gone: asyncio.Event,
-                        started: float, api: str) -> list[ExecResult]:
+                        started: float, api: str, answered: list[Callable[[], None]] | None = None) -> list[ExecResult]:
         """answer() for a caller that is no HTTP request of its own (an MCP tool call): `gone` set
         cancels the unstarted calls; `base_url()`: this gateway as the caller reached it; `api`: the
-        metrics' label of the API they came by."""
+        metrics' label of the API they came by; `answered`: run once the answer is sent (where the
+        calls' end to end ends: see Metrics.observe)."""
         refused = self.admit(requests, base_url)
         valid = requests if refused is None else [c for c, r in zip(requests, refused, strict=True) if r is None]
         self.bound_answer(valid)
@@ -217,7 +219,7 @@ class Gateway:
             self.metrics.in_flight.dec(len(requests))
         if refused is not None:
             results = merge(refused, results)
-        self.metrics.observe(results, requests, started, api)
+        self.metrics.observe(results, requests, started, api, answered)
         if logger.isEnabledFor(logging.INFO):  # the line's fields are counted only for a line written
             statuses: dict[str, int] = {}
             for r in results:
