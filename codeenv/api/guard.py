@@ -34,8 +34,8 @@ from codeenv.settings import GatewaySettings
 
 #: Where Guard leaves the time (monotonic) a request arrived: its calls' queue wait starts there.
 ACCEPTED = "codeenv.accepted"
-#: Where Guard leaves a list of what to run once a request's answer is sent (or the request ended
-#: otherwise): its calls' end to end and overhead are observed there.
+#: Where Guard leaves a JSON POST's list of what to run once its answer is sent (or the request
+#: ended otherwise): its calls' end to end and overhead are observed there.
 ANSWERED = "codeenv.answered"
 #: Where Guard leaves a request's parsed JSON body.
 JSON_BODY = "codeenv.json"
@@ -180,15 +180,6 @@ class Guard:
             await self.app(scope, receive, send)
             return
         scope[ACCEPTED] = time.monotonic()
-        answered: list[Callable[[], None]] = []
-        scope[ANSWERED] = answered
-        try:
-            await self._guarded(scope, receive, send)
-        finally:
-            for then in answered:
-                then()
-
-    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         try:
             headers = dict(scope["headers"])
             self._check_browser(headers, scope.get("scheme", "http"))
@@ -228,10 +219,16 @@ class Guard:
                     return message
 
                 endpoint = self.direct.get(scope["path"]) if listed else self._templated(scope)
-                if endpoint is None:
-                    await self.app(scope, replay, send)
-                else:
-                    await self._call(endpoint, scope, replay, send)
+                answered: list[Callable[[], None]] = []
+                scope[ANSWERED] = answered
+                try:
+                    if endpoint is None:
+                        await self.app(scope, replay, send)
+                    else:
+                        await self._call(endpoint, scope, replay, send)
+                finally:  # the answer is sent (or the request ended otherwise)
+                    for then in answered:
+                        then()
                 return
         except ApiError as exc:
             await JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)(scope, receive, send)
