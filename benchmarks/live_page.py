@@ -1,6 +1,7 @@
 """The live page against the bench: does it show what the load generator sent and saw?
 
     python benchmarks/live_page.py [--rate 20] [--seconds 30] [--workload print] [--json out.json]
+    python benchmarks/live_page.py --read-cost 1000 [--json out.json]
 
 Starts a private redis-server, two `codeenv worker --redis` (one slot each) and `codeenv serve
 --redis --no-local-worker --processes 2`, then runs `codeenv bench --mode rate` against the gateway
@@ -10,6 +11,10 @@ queue wait, run time, overhead and end to end from the histograms' differences o
 (interpolated inside a bucket, as Prometheus's histogram_quantile). Reported against the bench's own
 figures: the generator's rate (the page's steady windows: within 10%), the bench's latency
 percentiles (within 25%), and both workers' rows.
+
+With `--read-cost N`: the data endpoint's cost alone, the gateway's own CPU (/proc) per GET /v1/live
+over N reads one after another against an idle `codeenv serve` (the bound: 2 ms each), twice, in
+turns with as many GET /readyz (what the HTTP path and a route cost without the page's data).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def quantile(le: list[float], counts: list[float], total: float, q: float) -> fl
 def window(first: dict[str, Any], last: dict[str, Any], key: str) -> tuple[list[float], list[float], float]:
     a, b = last["latency"][key], first["latency"][key]
     before = b["count"] or [0.0] * len(a["count"])  # no calls yet: no buckets
-    return a["le"], [x - y for x, y in zip(a["count"], before, strict=True)], a["total"] - b["total"]
+    return last["le"], [x - y for x, y in zip(a["count"], before, strict=True)], a["total"] - b["total"]
 
 
 def done(reading: dict[str, Any]) -> float:
@@ -141,14 +146,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "latency": compared}
 
 
+def own_cpu_s(pid: int) -> float:
+    """A process's own CPU time (user + system, every thread's), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def read_cost(reads: int) -> dict[str, Any]:
+    """The data endpoint's cost: the gateway's own CPU per GET /v1/live, `reads` of them one after
+    another against an idle `codeenv serve` (embedded, 2 slots) that has answered a few calls."""
+    gateway = start_codeenv("serve", "--slots", "2", "--log-level", "warning", port=free_port())
+    try:
+        await asyncio.to_thread(gateway.wait_ready, 300)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            for code in ("print(1)", "1 / 0", "print(2)"):
+                (await http.post("/v1/execute", json={"code": code})).raise_for_status()
+            for _ in range(20):
+                (await http.get("/v1/live")).raise_for_status()
+            figures: dict[str, Any] = {"reads": reads}
+            for path in ("/v1/live", "/readyz", "/v1/live", "/readyz"):  # /readyz: the HTTP path and a route alone
+                before, t0 = own_cpu_s(gateway.pid), time.monotonic()
+                for _ in range(reads):
+                    (await http.get(path)).raise_for_status()
+                cpu, wall = own_cpu_s(gateway.pid) - before, time.monotonic() - t0
+                figures.setdefault(path, {"gateway_cpu_ms_per_read": [], "wall_ms_per_read": []})
+                figures[path]["gateway_cpu_ms_per_read"].append(round(1000 * cpu / reads, 3))
+                figures[path]["wall_ms_per_read"].append(round(1000 * wall / reads, 3))
+    finally:
+        gateway.stop(30)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--workload", default="print")
+    parser.add_argument("--read-cost", type=int, metavar="N",
+                        help="measure only the data endpoint's cost: the gateway's CPU per read over N reads")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    result = asyncio.run(read_cost(args.read_cost) if args.read_cost else run(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest, multiprocess
 
 from codeenv.models import SERVICE_FAULTS, ExecRequest, ExecResult, Status, judge_status
 from codeenv.queue.base import CallQueue
@@ -18,6 +19,9 @@ from codeenv.queue.base import CallQueue
 STEPS_KEPT = 64
 #: Latency buckets 1.5x apart from 1 ms to 60 s: a percentile read off them is within 1.5x.
 LATENCY_BUCKETS = (*(1.5**i / 1000 for i in range(28)), 60.0)
+#: The bounds as /v1/live shows them (once, for every histogram), to 4 significant digits (0.05767,
+#: not 0.0576650390625): the page's percentiles move by less than 0.05%.
+LIVE_BOUNDS = [float(f"{bound:.4g}") for bound in LATENCY_BUCKETS]
 #: The latency histograms, by name: what the live page and /v1/live read.
 LATENCIES = {"queue": "codeenv_queue_seconds", "run": "codeenv_run_seconds",
              "overhead": "codeenv_overhead_seconds", "end_to_end": "codeenv_end_to_end_seconds"}
@@ -218,19 +222,45 @@ class Metrics:
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return registry
 
+    def _live_families(self) -> Iterable[Metric]:
+        """The families live() reads off samples: under --processes N every process's files; else this
+        process's counters and gauges (its latency histograms: _own_buckets; the stats and per-worker
+        gauges are read from the queue itself)."""
+        if self.multiprocess:
+            return self._collected().collect()
+        return itertools.chain.from_iterable(
+            metric.collect() for metric in (self.calls, self.judged, self.tests, self.accepted, self.in_flight,
+                                            self.loop_lag))
+
+    def _own_buckets(self) -> dict[tuple[str, str, str], dict[float, float]]:
+        """This process's latency histograms, (latency, api, profile) -> le -> cumulative count, read
+        off the children observe() made: their samples, built for /metrics' text (each bound as a
+        string), were most of what a read of the live page cost the gateway."""
+        buckets: dict[tuple[str, str, str], dict[float, float]] = {}
+        for (api, profile), children in self._latency_of.items():
+            for key, child in zip(LATENCIES, children, strict=True):
+                merged = buckets[key, api, profile] = {}
+                count = 0.0
+                for bound, bucket in zip(child._upper_bounds, child._buckets, strict=True):
+                    count += bucket.get()
+                    merged[bound] = count
+        return buckets
+
     def live(self) -> dict[str, Any]:
         """What the live page shows (GET /v1/live), every gateway process's counters and histograms
         (under --processes N, read from their shared files), the queue's and the workers' figures,
         this process's steps: cumulative counts, so that a reader's rates are differences. Latency:
-        all calls, by API and by profile, each a histogram (bucket bounds, cumulative counts, total)."""
+        all calls, by API and by profile, each a histogram (cumulative counts by bucket, total), their
+        bucket bounds once as `le`."""
         names = {name: key for key, name in LATENCIES.items()}
         counters: dict[str, dict[str, float]] = {"codeenv_calls_total": {}, "codeenv_judge_submissions_total": {},
                                                  "codeenv_judge_tests_total": {}}
         label_of = {"codeenv_calls_total": "status", "codeenv_judge_submissions_total": "verdict",
                     "codeenv_judge_tests_total": "status"}
-        buckets: dict[tuple[str, str, str], dict[float, float]] = {}  # (latency, api, profile) -> le -> count
+        # (latency, api, profile) -> le -> count
+        buckets: dict[tuple[str, str, str], dict[float, float]] = {} if self.multiprocess else self._own_buckets()
         in_flight, lag, accepted = 0.0, 0.0, 0.0
-        for family in self._collected().collect():
+        for family in self._live_families():
             key = names.get(family.name)
             for sample in family.samples:
                 name, labels = sample.name, sample.labels
@@ -255,7 +285,7 @@ class Metrics:
                            by_profile.setdefault(profile, {}).setdefault(key, _histogram())):
                 _add(target, merged)
         figures_of = getattr(self.queue, "worker_figures", None)
-        return {"time": time.time(), "calls": counters["codeenv_calls_total"], "accepted": accepted,
+        return {"time": time.time(), "le": LIVE_BOUNDS, "calls": counters["codeenv_calls_total"], "accepted": accepted,
                 "in_flight": in_flight, "loop_lag_s": lag, "latency": latency, "by_api": by_api,
                 "by_profile": by_profile, "judge": {"verdicts": counters["codeenv_judge_submissions_total"],
                                                     "tests": counters["codeenv_judge_tests_total"]},
@@ -268,13 +298,12 @@ class Metrics:
 
 
 def _histogram() -> dict[str, Any]:
-    return {"le": [], "count": [], "total": 0.0}
+    return {"count": [0] * len(LATENCY_BUCKETS), "total": 0}
 
 
 def _add(histogram: dict[str, Any], merged: dict[float, float]) -> None:
-    """Add one label set's buckets (le -> cumulative count) to `histogram` (bounds in order)."""
-    bounds = sorted(le for le in merged if le != float("inf"))
-    if not histogram["le"]:
-        histogram["le"], histogram["count"] = bounds, [0.0] * len(bounds)
-    histogram["count"] = [c + merged.get(le, 0.0) for c, le in zip(histogram["count"], histogram["le"], strict=True)]
-    histogram["total"] += merged.get(float("inf"), 0.0)  # the calls observed, the last bucket's too
+    """Add one label set's buckets (le -> cumulative count, every latency histogram's bounds) to
+    `histogram`; counts as whole numbers, which they are."""
+    get = merged.get
+    histogram["count"] = [c + int(get(le, 0.0)) for c, le in zip(histogram["count"], LATENCY_BUCKETS, strict=True)]
+    histogram["total"] += int(get(float("inf"), 0.0))  # the calls observed, the last bucket's too

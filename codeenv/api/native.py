@@ -156,12 +156,12 @@ def _service(api: APIRouter, gateway: Gateway) -> None:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @api.get("/v1/live")
-    async def live() -> dict[str, Any]:
+    @api.get("/v1/live", response_model=dict[str, Any])
+    async def live() -> Response:
         """What the live page (`/`) reads: every gateway process's calls by status, in-flight calls, the
         latency histograms (queue wait, run, overhead, end to end; cumulative bucket counts), the
         queue's and each worker's figures, the last steps. Counts only: no code, no output."""
-        return metrics.live()
+        return JSONResponse(metrics.live())  # plain JSON already: FastAPI's encoder would walk it again
 
     @api.get("/", include_in_schema=False)
     async def page() -> Response:

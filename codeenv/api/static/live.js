@@ -43,14 +43,15 @@ function quantile(h, q) {
   return Infinity;
 }
 
-// The calls a histogram counted between two readings (`b` absent: since start).
-function hdelta(a, b) {
+// The calls a histogram counted between two readings (`b` absent: since start); `le`: the bounds
+// every latency histogram shares (a reading's own).
+function hdelta(le, a, b) {
   const same = b && b.count.length === a.count.length;
-  return { le: a.le, counts: a.count.map((c, i) => c - (same ? b.count[i] : 0)), total: a.total - (same ? b.total : 0) };
+  return { le, counts: a.count.map((c, i) => c - (same ? b.count[i] : 0)), total: a.total - (same ? b.total : 0) };
 }
 
 function delta(now, then, key) {
-  return hdelta(now.latency[key], then ? then.latency[key] : null);
+  return hdelta(now.le, now.latency[key], then ? then.latency[key] : null);
 }
 
 // A table's rows; a cell is text, or {text, bad} to mark it.
@@ -76,7 +77,7 @@ function breakdown(now, before, span, field) {
   const keys = ["queue", "run", "overhead", "end_to_end"];
   return Object.entries(now[field]).map(([name, histograms]) => {
     const then = before && before[field] ? before[field][name] : null;
-    const windowed = keys.map((key) => (histograms[key] ? hdelta(histograms[key], then ? then[key] : null) : null));
+    const windowed = keys.map((key) => (histograms[key] ? hdelta(now.le, histograms[key], then ? then[key] : null) : null));
     const count = windowed[1] ? windowed[1].total : 0;
     const cells = [name || "–", span > 0 ? (count / span).toFixed(1) : "–"];
     for (const w of windowed) cells.push(seconds(w && quantile(w, 0.5)), seconds(w && quantile(w, 0.99)));
