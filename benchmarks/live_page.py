@@ -146,16 +146,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "latency": compared}
 
 
+def gateway_pids(pid: int, processes: int) -> list[int]:
+    """`codeenv serve`'s process, or under --processes N its N pool processes (its children that run
+    Python; the slot pool's jails are theirs, not its)."""
+    if processes == 1:
+        return [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = [int(c) for c in children if b"python" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(found) >= processes, f"expected {processes} gateway processes under {pid}, found {found}"
+    return found
+
+
 def own_cpu_s(pid: int) -> float:
     """A process's own CPU time (user + system, every thread's), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def read_cost(reads: int) -> dict[str, Any]:
+async def read_cost(reads: int, processes: int) -> dict[str, Any]:
     """The data endpoint's cost: the gateway's own CPU per GET /v1/live, `reads` of them one after
-    another against an idle `codeenv serve` (embedded, 2 slots) that has answered a few calls."""
-    gateway = start_codeenv("serve", "--slots", "2", "--log-level", "warning", port=free_port())
+    another against an idle `codeenv serve` (embedded, 2 slots) that has answered a few calls; with
+    `processes` > 1, every gateway process's CPU (each reads the others' files)."""
+    gateway = start_codeenv("serve", "--slots", "2", "--log-level", "warning", "--processes", str(processes),
+                            port=free_port())
     try:
         await asyncio.to_thread(gateway.wait_ready, 300)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
@@ -163,12 +176,13 @@ async def read_cost(reads: int) -> dict[str, Any]:
                 (await http.post("/v1/execute", json={"code": code})).raise_for_status()
             for _ in range(20):
                 (await http.get("/v1/live")).raise_for_status()
-            figures: dict[str, Any] = {"reads": reads}
+            figures: dict[str, Any] = {"reads": reads, "processes": processes}
             for path in ("/v1/live", "/readyz", "/v1/live", "/readyz"):  # /readyz: the HTTP path and a route alone
-                before, t0 = own_cpu_s(gateway.pid), time.monotonic()
+                pids = gateway_pids(gateway.pid, processes)
+                before, t0 = sum(map(own_cpu_s, pids)), time.monotonic()
                 for _ in range(reads):
                     (await http.get(path)).raise_for_status()
-                cpu, wall = own_cpu_s(gateway.pid) - before, time.monotonic() - t0
+                cpu, wall = sum(map(own_cpu_s, pids)) - before, time.monotonic() - t0
                 figures.setdefault(path, {"gateway_cpu_ms_per_read": [], "wall_ms_per_read": []})
                 figures[path]["gateway_cpu_ms_per_read"].append(round(1000 * cpu / reads, 3))
                 figures[path]["wall_ms_per_read"].append(round(1000 * wall / reads, 3))
@@ -184,9 +198,10 @@ def main() -> None:
     parser.add_argument("--workload", default="print")
     parser.add_argument("--read-cost", type=int, metavar="N",
                         help="measure only the data endpoint's cost: the gateway's CPU per read over N reads")
+    parser.add_argument("--processes", type=int, default=1, help="with --read-cost: serve --processes N")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = asyncio.run(read_cost(args.read_cost) if args.read_cost else run(args))
+    result = asyncio.run(read_cost(args.read_cost, args.processes) if args.read_cost else run(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
