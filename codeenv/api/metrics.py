@@ -222,15 +222,15 @@ class Metrics:
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return registry
 
-    def _live_families(self) -> Iterable[Metric]:
-        """The families live() reads off samples: under --processes N every process's files; else this
-        process's counters and gauges (its latency histograms: _own_buckets; the stats and per-worker
-        gauges are read from the queue itself)."""
+    def _live_sources(self) -> tuple[Iterable[Metric], dict[tuple[str, str, str], dict[float, float]]]:
+        """What live() reads: the metric families whose samples it takes, and the latency histograms
+        already read ((latency, api, profile) -> le -> cumulative count). Under --processes N every
+        process's files, histograms among their samples; else this process's counters and gauges, and
+        its histograms off their children (the stats and per-worker gauges come from the queue)."""
         if self.multiprocess:
-            return self._collected().collect()
-        return itertools.chain.from_iterable(
-            metric.collect() for metric in (self.calls, self.judged, self.tests, self.accepted, self.in_flight,
-                                            self.loop_lag))
+            return self._collected().collect(), {}
+        own = (self.calls, self.judged, self.tests, self.accepted, self.in_flight, self.loop_lag)
+        return itertools.chain.from_iterable(metric.collect() for metric in own), self._own_buckets()
 
     def _own_buckets(self) -> dict[tuple[str, str, str], dict[float, float]]:
         """This process's latency histograms, (latency, api, profile) -> le -> cumulative count, read
@@ -257,10 +257,9 @@ class Metrics:
                                                  "codeenv_judge_tests_total": {}}
         label_of = {"codeenv_calls_total": "status", "codeenv_judge_submissions_total": "verdict",
                     "codeenv_judge_tests_total": "status"}
-        # (latency, api, profile) -> le -> count
-        buckets: dict[tuple[str, str, str], dict[float, float]] = {} if self.multiprocess else self._own_buckets()
+        families, buckets = self._live_sources()
         in_flight, lag, accepted = 0.0, 0.0, 0.0
-        for family in self._live_families():
+        for family in families:
             key = names.get(family.name)
             for sample in family.samples:
                 name, labels = sample.name, sample.labels
